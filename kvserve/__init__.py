@@ -1,0 +1,17 @@
+"""kvserve: a readable LLM inference engine and serving platform."""
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["LLM", "SamplingParams", "__version__"]
+
+
+def __getattr__(name: str):
+    # Lazy so that `import kvserve.planner` never pays for torch.
+    if name == "LLM":
+        from kvserve.llm import LLM
+        return LLM
+    if name == "SamplingParams":
+        from kvserve.sampling.params import SamplingParams
+        return SamplingParams
+    raise AttributeError(name)

@@ -1,0 +1,28 @@
+"""The ``kvserve`` command line: one subcommand per module, wired here."""
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference server")
+    sub = parser.add_subparsers(dest="command", required=True)
+    from kvserve.generate_cli import register as register_generate
+    register_generate(sub)
+    try:
+        from kvserve.planner.cli import register as register_planner
+    except ImportError:  # planner CLI not built yet
+        register_planner = None
+    if register_planner is not None:
+        register_planner(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
