@@ -1,0 +1,73 @@
+"""Pure-torch paged attention: the CPU reference backend that runs anywhere.
+
+KV cache per layer: ``[num_blocks, block_size, kv_heads, head_dim]`` for K and V.
+Grouped-query attention without repeating KV: the ``group = heads // kv_heads``
+query heads of one KV head are folded into the query-length axis.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvserve.attention.metadata import AttentionMetadata
+
+
+class TorchPagedAttention:
+    """Backend ``"torch"``: scaled_dot_product_attention over gathered paged KV."""
+
+    name = "torch"
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int):
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.group = num_heads // num_kv_heads
+        self.scale = head_dim ** -0.5
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D], k/v [T, KVH, D]; writes k/v into the cache; returns [T, H * D]."""
+        num_tokens = q.shape[0]
+        k_flat = k_cache.view(-1, self.num_kv_heads, self.head_dim)   # [slots, KVH, D]
+        v_flat = v_cache.view(-1, self.num_kv_heads, self.head_dim)
+        k_flat.index_copy_(0, meta.slot_mapping, k)
+        v_flat.index_copy_(0, meta.slot_mapping, v)
+        out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
+        for chunk in meta.prefills:
+            rows = slice(chunk.token_start, chunk.token_start + chunk.num_tokens)
+            if chunk.start_position == 0:
+                keys, values = k[rows], v[rows]                          # [n, KVH, D]
+            else:
+                context_len = chunk.start_position + chunk.num_tokens
+                keys = k_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
+                values = v_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
+            out[rows] = self._chunk_attention(q[rows], keys, values, chunk.mask)
+        if meta.decode is not None:
+            out[meta.decode.token_index] = self._decode_attention(
+                q[meta.decode.token_index], k_cache, v_cache, meta)
+        return out.view(num_tokens, self.num_heads * self.head_dim)
+
+    def _chunk_attention(self, q, keys, values, mask):
+        """q [n, H, D], keys/values [ctx, KVH, D], mask [n, ctx] -> [n, H, D]."""
+        n = q.shape[0]
+        # [n, KVH, G, D] -> [KVH, G * n, D]: query row (g, i) is head g of token i.
+        qg = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
+        qg = qg.reshape(1, self.num_kv_heads, self.group * n, self.head_dim)
+        kg = keys.permute(1, 0, 2).unsqueeze(0)                           # [1, KVH, ctx, D]
+        vg = values.permute(1, 0, 2).unsqueeze(0)
+        group_mask = mask.repeat(self.group, 1)                           # [G * n, ctx]
+        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group_mask, scale=self.scale)
+        return o.view(self.num_kv_heads, self.group, n, self.head_dim).permute(2, 0, 1, 3).reshape(
+            n, self.num_heads, self.head_dim)
+
+    def _decode_attention(self, q, k_cache, v_cache, meta):
+        """q [D, H, hd] for single-token sequences -> [D, H, hd]."""
+        decode = meta.decode
+        num_seqs = q.shape[0]
+        # [D, nb, bs, KVH, hd] -> [D, KVH, nb * bs, hd]
+        keys = k_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
+        values = v_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
+        qg = q.view(num_seqs, self.num_kv_heads, self.group, self.head_dim)
+        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=decode.mask, scale=self.scale)
+        return o.reshape(num_seqs, self.num_heads, self.head_dim)

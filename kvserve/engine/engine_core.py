@@ -1,0 +1,160 @@
+"""Engine core: owns the model, the KV cache, the block pool and the scheduler.
+
+It sees token ids and SamplingParams only (no HTTP, JSON, chat templates or text).
+One ``step()`` is the DESIGN.md step contract:
+``plan = scheduler.schedule(); result = runner.execute(plan); scheduler.update(plan, result)``.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.kv_cache import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.step import SeqUpdate
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.sampling.params import SamplingParams
+
+logger = logging.getLogger("kvserve.engine")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Engine settings; ``None`` / ``"auto"`` are resolved from the model and the device."""
+
+    model: str | None = None              # .gguf file, HF folder, or None for the default model
+    device: str = "auto"                  # "cpu", "cuda", "auto"
+    dtype: str = "auto"                   # "float32", "bfloat16", "float16", "auto" (fp32 CPU, bf16 GPU)
+    kv_cache_bytes: int | None = None     # KV memory budget; None = default_kv_budget_bytes
+    block_size: int = 16
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None      # None = the checkpoint's context length
+    num_threads: int | None = None        # torch intra-op threads on CPU; None = all cores
+    attention_backend: str = "torch"
+    seed: int = 0                         # for unseeded sampling
+
+
+def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    """Pick the device and the compute dtype: fp32 on CPU, bf16 on GPU unless told otherwise."""
+    dev = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
+                       ("cpu" if device == "auto" else device))
+    if dtype == "auto":
+        return dev, (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise InvalidRequestError(f"unknown dtype {dtype!r}; choose from {sorted(names)}", param="dtype")
+    return dev, names[dtype]
+
+
+class EngineCore:
+    """The offline engine: add requests, call ``step()`` until nothing is unfinished."""
+
+    def __init__(self, config: EngineConfig, checkpoint=None):
+        from kvserve.attention import get_backend
+        from kvserve.loader import load_checkpoint
+        from kvserve.models.registry import build_model
+        from kvserve.sampling.sampler import Sampler
+
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
+        checkpoint = checkpoint or load_checkpoint(config.model)
+        self.model_config = mc = checkpoint.config
+        model = build_model(mc)
+        model.load_weights(checkpoint.tensors)
+        del checkpoint
+        model = model.to(device=self.device, dtype=self.dtype).eval()
+        model.rotary.float()                            # rotary tables stay fp32
+        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
+                                 mc.max_position_embeddings)
+        budget = config.kv_cache_bytes or default_kv_budget_bytes(self.device, self.weight_bytes)
+        self.kv_plan = plan_kv_cache(mc, budget, self.dtype, config.block_size, self.max_model_len)
+        if self.kv_plan.num_blocks < 1:
+            raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {self.kv_plan.explanation}",
+                                      param="kv_cache_bytes")
+        logger.info("KV cache: %s", self.kv_plan.explanation)
+        kv_cache = allocate_kv_cache(mc, self.kv_plan, self.dtype, self.device)
+        self.block_pool = BlockPool(self.kv_plan.num_blocks, config.block_size)
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
+                                   self.block_pool)
+        backend = get_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+        self.runner = ModelRunner(model, kv_cache, backend, config.block_size, self.device,
+                                  Sampler(seed=config.seed))
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self.num_steps = 0
+
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    eos_token_ids: frozenset[int] | None = None, priority: int = 0) -> None:
+        """Validate and queue a request; ``params.n`` sequences share its prompt blocks."""
+        params.validate()
+        prompt = list(prompt_token_ids)
+        self._validate_prompt(prompt, params)
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
+        eos = frozenset(self.model_config.eos_token_ids) if eos_token_ids is None else frozenset(eos_token_ids)
+        arrival = next(self._arrivals)
+
+        def make(sibling: int) -> Sequence:
+            return Sequence(seq_id=next(self._seq_ids), request_id=request_id, sibling_index=sibling,
+                            prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
+                            eos_token_ids=eos, priority=priority, arrival_index=arrival)
+
+        leader = make(0)
+        leader.pending_fork = [make(i) for i in range(1, params.n)]
+        self.scheduler.add_sequence(leader)
+
+    def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+        if not prompt:
+            raise InvalidRequestError("the prompt is empty", param="prompt")
+        vocab = self.model_config.vocab_size
+        if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt):
+            raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if len(prompt) >= self.max_model_len:
+            raise ContextLengthExceededError(
+                f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} tokens "
+                f"and at least one must be left to generate", param="prompt")
+        if params.max_tokens is not None and len(prompt) + params.max_tokens > self.max_model_len:
+            raise ContextLengthExceededError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{len(prompt) + params.max_tokens} exceeds the context of {self.max_model_len} tokens",
+                param="max_tokens")
+        max_seq_blocks = math.ceil(self.max_model_len / self.config.block_size)
+        if self.block_pool.num_blocks < min(max_seq_blocks, math.ceil(
+                (len(prompt) + (params.max_tokens or 0)) / self.config.block_size)):
+            raise ContextLengthExceededError(
+                f"the KV cache ({self.kv_plan.max_tokens} tokens) cannot hold this request", param="prompt")
+
+    def abort_request(self, request_id: str) -> list[SeqUpdate]:
+        """Abort every sequence of a request now; their blocks are freed at once."""
+        return self.scheduler.abort_request(request_id)
+
+    def stop_sequence(self, seq_id: int) -> None:
+        """Finish one sequence with reason ``stop`` (the front end matched a stop string)."""
+        self.scheduler.finish_sequence(seq_id, FinishReason.STOP)
+
+    # -------------------------------------------------------------------- step
+    def step(self) -> list[SeqUpdate]:
+        """One engine step; returns what each sequence produced."""
+        plan = self.scheduler.schedule()
+        result = self.runner.execute(plan)
+        self.num_steps += 1
+        return self.scheduler.update(plan, result)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_integrity(self) -> None:
+        """free + used == total, and every used block is held by a live sequence."""
+        self.block_pool.check_integrity(self.scheduler.live_block_tables())

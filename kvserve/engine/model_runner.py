@@ -1,0 +1,98 @@
+"""Model runner: StepPlan -> tensors -> forward -> sampled tokens (StepResult).
+
+Owns the model, the KV cache tensor and the sampler. Never mutates scheduler
+state: everything it needs arrives in the plan as ints and lists.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from kvserve.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from kvserve.engine.step import SampledToken, StepPlan, StepResult
+from kvserve.sampling.sampler import Sampler, SamplingRow
+
+
+class ModelRunner:
+    """Executes step plans on one device."""
+
+    def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
+                 device: torch.device, sampler: Sampler | None = None):
+        self.model = model
+        self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
+        self.backend = backend
+        self.block_size = block_size
+        self.device = device
+        self.sampler = sampler or Sampler()
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: KV block copies, one forward over all scheduled tokens, sampling."""
+        started = time.perf_counter()
+        self._copy_blocks(plan.block_copies)
+        if plan.is_empty:
+            return StepResult()
+        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        hidden = self.model(input_ids, positions, self.kv_cache, self.backend, meta)   # [T, hidden]
+        sampled = {}
+        to_sample = [s for s in plan.scheduled if s.sample]
+        if to_sample:
+            logits = self.model.compute_logits(hidden[sample_rows])                   # [S, vocab]
+            rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                                output_token_ids=s.output_token_ids, eos_token_ids=s.eos_token_ids,
+                                seed_offset=s.sibling_index) for s in to_sample]
+            out = self.sampler(logits, rows)
+            for i, s in enumerate(to_sample):
+                sampled[s.seq_id] = SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+        return StepResult(sampled=sampled, forward_time_s=time.perf_counter() - started)
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            src = torch.tensor([c[0] for c in copies], device=self.device)
+            dst = torch.tensor([c[1] for c in copies], device=self.device)
+            self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
+
+    def _prepare(self, plan: StepPlan):
+        """Flatten the plan into input ids, positions, cache slots and attention metadata."""
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        prefills: list[PrefillChunk] = []
+        decode_rows, decode_tables, decode_lens = [], [], []
+        sample_rows: list[int] = []
+        for s in plan.scheduled:
+            row = len(input_ids)
+            start, n = s.start_position, s.num_tokens
+            input_ids.extend(s.token_ids)
+            positions.extend(range(start, start + n))
+            table = s.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            num_blocks = -(-s.context_len // bs)
+            if n == 1:
+                decode_rows.append(row)
+                decode_tables.append(table[:num_blocks])
+                decode_lens.append(s.context_len)
+            else:
+                query_pos = torch.arange(start, start + n)
+                mask = torch.arange(s.context_len)[None, :] <= query_pos[:, None]
+                prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:num_blocks], device=self.device),
+                                             mask.to(self.device)))
+            if s.sample:
+                sample_rows.append(row + n - 1)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills,
+                                 decode=self._decode_batch(decode_rows, decode_tables, decode_lens))
+        return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
+                meta, torch.tensor(sample_rows, device=self.device))
+
+    def _decode_batch(self, rows, tables, lens) -> DecodeBatch | None:
+        if not rows:
+            return None
+        max_blocks = max(len(t) for t in tables)
+        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        lens_t = torch.tensor(lens)
+        mask = torch.arange(max_blocks * self.block_size)[None, :] < lens_t[:, None]    # [D, S]
+        return DecodeBatch(token_index=torch.tensor(rows, device=self.device),
+                           block_tables=torch.tensor(padded, device=self.device),
+                           mask=mask[:, None, None, :].to(self.device))

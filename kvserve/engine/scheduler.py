@@ -1,0 +1,257 @@
+"""Token-budget scheduler: continuous batching with chunked prefill and preemption.
+
+There are no prefill and decode phases. Every sequence has ``num_computed_tokens``
+and a number of tokens to compute; each step hands out ``max_num_batched_tokens``
+across sequences, running ones first (oldest, highest priority first), then
+waiting ones in (priority, arrival) order. When blocks run out, the newest
+lowest-priority running sequence is preempted by recompute: its blocks are freed
+and it returns to the waiting queue at its original place.
+
+Never imports torch: it sees ints and lists only.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
+from kvserve.engine.step import ScheduledSeq, SeqUpdate, StepPlan, StepResult
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Scheduling limits, resolved before the scheduler is built."""
+
+    max_num_seqs: int = 64              # running sequences at once
+    max_num_batched_tokens: int = 1024  # tokens computed per step (all sequences)
+
+
+class Scheduler:
+    """Owns sequences and their block tables; produces StepPlans, consumes StepResults."""
+
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
+        self.config = config
+        self.block_pool = block_pool
+        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
+        self._running: list[Sequence] = []
+        self._seqs: dict[int, Sequence] = {}
+        self._by_request: dict[str, list[Sequence]] = {}
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- queries
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._running or self._waiting)
+
+    def live_block_tables(self) -> list[list[int]]:
+        """Block tables of every sequence holding blocks (for integrity checks)."""
+        return [seq.block_table for seq in self._running]
+
+    # ------------------------------------------------------------- admission
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a new sequence (its siblings, if any, travel in ``seq.pending_fork``)."""
+        seq.status = SeqStatus.WAITING
+        self._seqs[seq.seq_id] = seq
+        self._by_request.setdefault(seq.request_id, []).append(seq)
+        for child in seq.pending_fork:
+            self._by_request[seq.request_id].append(child)
+        heapq.heappush(self._waiting, (seq.sort_key, seq))
+
+    def abort_request(self, request_id: str) -> list[SeqUpdate]:
+        """End every sequence of ``request_id`` now, freeing all their blocks."""
+        targets = [s for s in self._by_request.pop(request_id, []) if not s.is_finished]
+        updates = []
+        for seq in targets:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+            updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index, [], [],
+                                     FinishReason.ABORT.value))
+        self._waiting = [(k, s) for k, s in self._waiting if not s.is_finished]
+        heapq.heapify(self._waiting)
+        return updates
+
+    # -------------------------------------------------------------- schedule
+    def schedule(self) -> StepPlan:
+        """Choose this step's work within the token budget and the free blocks."""
+        plan = StepPlan()
+        budget = self.config.max_num_batched_tokens
+        self._running.sort(key=lambda s: s.sort_key)
+        scheduled_ids: set[int] = set()
+        index = 0
+        while index < len(self._running) and budget > 0:
+            seq = self._running[index]
+            if seq.pending_fork and seq.num_tokens_to_compute == 0:
+                if not self._fork(seq, plan, scheduled_ids):
+                    break
+                continue          # the leader and its new siblings are scheduled below
+            num_new = min(seq.num_tokens_to_compute, budget)
+            if num_new == 0:
+                index += 1
+                continue
+            if not self._reserve_blocks(seq, num_new, plan, scheduled_ids):
+                break             # seq itself was preempted: nothing newer can run
+            plan.scheduled.append(self._scheduled(seq, num_new))
+            scheduled_ids.add(seq.seq_id)
+            budget -= num_new
+            index += 1
+        if not plan.preempted_seq_ids:
+            budget = self._admit_waiting(plan, budget)
+        return plan
+
+    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        pool = self.block_pool
+        while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
+            seq = self._waiting[0][1]
+            num_new = min(seq.num_tokens_to_compute, budget)
+            needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+            if needed > pool.num_free_blocks:
+                break             # FCFS: nobody overtakes the head of the queue
+            heapq.heappop(self._waiting)
+            seq.block_table.extend(pool.allocate(needed) or [])
+            seq.status = SeqStatus.RUNNING
+            self._running.append(seq)
+            if num_new > 0:
+                plan.scheduled.append(self._scheduled(seq, num_new))
+                budget -= num_new
+        return budget
+
+    def _reserve_blocks(self, seq: Sequence, num_new: int, plan: StepPlan,
+                        scheduled_ids: set[int]) -> bool:
+        """Grow ``seq``'s block table for ``num_new`` tokens, preempting newer
+        sequences while blocks are short. False if ``seq`` had to preempt itself."""
+        pool = self.block_pool
+        needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
+        while needed > pool.num_free_blocks:
+            victim = self._pick_victim(scheduled_ids | {seq.seq_id})
+            if victim is None:
+                self._preempt(seq, plan)
+                return False
+            self._preempt(victim, plan)
+        if needed > 0:
+            seq.block_table.extend(pool.allocate(needed))
+        return True
+
+    def _pick_victim(self, protected: set[int]) -> Sequence | None:
+        for seq in reversed(self._running):          # newest, lowest priority last
+            if seq.seq_id not in protected:
+                return seq
+        return None
+
+    def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        self.block_pool.free(seq.block_table)
+        seq.block_table = []
+        seq.num_computed_tokens = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._running.remove(seq)
+        heapq.heappush(self._waiting, (seq.sort_key, seq))
+        plan.preempted_seq_ids.append(seq.seq_id)
+
+    def _fork(self, leader: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
+        """Give each pending sibling the leader's computed prompt prefix: full blocks
+        are shared, a partially filled last block is copied (copy-on-write)."""
+        pool = self.block_pool
+        children = leader.pending_fork
+        num_full = leader.num_computed_tokens // pool.block_size
+        has_partial = leader.num_computed_tokens % pool.block_size != 0
+        needed = len(children) if has_partial else 0
+        while needed > pool.num_free_blocks:
+            victim = self._pick_victim(scheduled_ids | {leader.seq_id})
+            if victim is None:
+                self._preempt(leader, plan)
+                return False
+            self._preempt(victim, plan)
+        shared = leader.block_table[:num_full]
+        for child in children:
+            pool.share(shared)
+            child.block_table = list(shared)
+            if has_partial:
+                copy = pool.allocate(1)[0]
+                plan.block_copies.append((leader.block_table[num_full], copy))
+                child.block_table.append(copy)
+            child.num_computed_tokens = leader.num_computed_tokens
+            child.status = SeqStatus.RUNNING
+            self._seqs[child.seq_id] = child
+        leader.pending_fork = []
+        position = self._running.index(leader) + 1
+        self._running[position:position] = children
+        return True
+
+    @staticmethod
+    def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
+        start = seq.num_computed_tokens
+        return ScheduledSeq(
+            seq_id=seq.seq_id, token_ids=seq.token_slice(start, start + num_new),
+            start_position=start, block_table=list(seq.block_table),
+            sample=start + num_new == seq.num_tokens and not seq.pending_fork,
+            params=seq.params, prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids, eos_token_ids=seq.eos_token_ids,
+            sibling_index=seq.sibling_index)
+
+    # ---------------------------------------------------------------- update
+    def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
+        """Advance computed counts, append sampled tokens, finish sequences that stop."""
+        updates = []
+        for item in plan.scheduled:
+            seq = self._seqs.get(item.seq_id)
+            if seq is None or seq.is_finished or seq.status is not SeqStatus.RUNNING:
+                continue          # aborted or preempted after this plan was made
+            seq.num_computed_tokens += item.num_tokens
+            if not item.sample:
+                continue
+            sampled = result.sampled[item.seq_id]
+            seq.output_token_ids.append(sampled.token_id)
+            reason = self._stop_reason(seq, sampled.token_id)
+            if reason is not None:
+                self._finish(seq, reason)
+            updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index,
+                                     [sampled.token_id], [sampled],
+                                     reason.value if reason else None))
+        return updates
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, token_id: int) -> FinishReason | None:
+        params = seq.params
+        if len(seq.output_token_ids) >= params.min_tokens:
+            if not params.ignore_eos and token_id in seq.eos_token_ids:
+                return FinishReason.STOP
+            if params.stop_token_ids and token_id in params.stop_token_ids:
+                return FinishReason.STOP
+        if len(seq.output_token_ids) >= seq.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self._running.remove(seq)
+        if seq.block_table:
+            self.block_pool.free(seq.block_table)
+            seq.block_table = []
+        for child in seq.pending_fork:       # never forked: finish with the leader
+            child.status = SeqStatus.FINISHED
+            child.finish_reason = reason
+        seq.pending_fork = []
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self._seqs.pop(seq.seq_id, None)
+        siblings = self._by_request.get(seq.request_id)
+        if siblings is not None and all(s.is_finished for s in siblings):
+            del self._by_request[seq.request_id]
+
+    def finish_sequence(self, seq_id: int, reason: FinishReason) -> None:
+        """End one sequence (e.g. a stop string matched in the front end); frees its blocks."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            if seq.status is SeqStatus.WAITING:
+                self._waiting = [(k, s) for k, s in self._waiting if s is not seq]
+                heapq.heapify(self._waiting)
+            self._finish(seq, reason)

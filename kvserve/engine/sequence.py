@@ -1,0 +1,77 @@
+"""A sequence: one stream of tokens the scheduler computes (a request with n > 1 has n)."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from kvserve.sampling.params import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"     # not holding blocks (new, or preempted for recompute)
+    RUNNING = "running"     # holding blocks, scheduled every step it fits the budget
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"           # EOS, a stop token id, or a stop string (seen by the front end)
+    LENGTH = "length"       # max_tokens or the context limit
+    ABORT = "abort"         # client gone, deadline, drain, or an explicit abort
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Scheduler-side state of one token stream.
+
+    ``num_computed_tokens`` counts tokens whose KV is in ``block_table``; the tokens
+    still to compute are ``all_token_ids[num_computed_tokens:]``.
+    """
+
+    seq_id: int
+    request_id: str
+    sibling_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int                       # resolved: never None here
+    eos_token_ids: frozenset[int]
+    priority: int = 0                     # lower value runs first
+    arrival_index: int = 0                # FCFS order within a priority value
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+    # n > 1: siblings still to be forked from this (leader) sequence once its
+    # prompt, but for the last token, is computed. Empty for everyone else.
+    pending_fork: list["Sequence"] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus output tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Token ids at positions ``[start, end)`` of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= num_prompt:
+            return self.output_token_ids[start - num_prompt:end - num_prompt]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+
+    @property
+    def num_tokens_to_compute(self) -> int:
+        """Tokens not yet in the KV cache; a leader stops one short of its prompt until it forks."""
+        if self.pending_fork:
+            return max(0, len(self.prompt_token_ids) - 1 - self.num_computed_tokens)
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def sort_key(self) -> tuple[int, int, int]:
+        """Scheduling order: priority value, then arrival, then sibling."""
+        return (self.priority, self.arrival_index, self.sibling_index)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

@@ -1,0 +1,84 @@
+"""Plain data at the edges of one engine step: StepPlan in, StepResult out (DESIGN.md s2).
+
+Ints, lists and the request's SamplingParams only: no tensors cross this boundary.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.sampling.params import SamplingParams
+
+
+@dataclass
+class ScheduledSeq:
+    """One sequence's work this step: compute ``token_ids`` at positions
+    ``[start_position, start_position + len(token_ids))``, writing their KV into
+    ``block_table``; if ``sample``, also sample the token that follows."""
+
+    seq_id: int
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]      # read-only view for penalties / min_tokens / seeds
+    eos_token_ids: frozenset[int]
+    sibling_index: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache once this step's tokens are written."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class StepPlan:
+    """What the runner executes this step."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (src_block, dst_block) KV copies to perform before the forward pass
+    # (copy-on-write of a partially filled block shared at an n > 1 fork).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class SampledToken:
+    """The token sampled for one sequence, with logprobs when asked."""
+
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class StepResult:
+    """Runner output: one SampledToken per ScheduledSeq with ``sample`` set."""
+
+    sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
+    forward_time_s: float = 0.0
+
+
+@dataclass
+class SeqUpdate:
+    """What one sequence produced in a step (or its end), for the output processor."""
+
+    seq_id: int
+    request_id: str
+    sibling_index: int
+    new_token_ids: list[int]
+    new_logprobs: list[SampledToken]
+    finish_reason: str | None = None

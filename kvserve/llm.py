@@ -1,0 +1,106 @@
+"""Offline API: ``LLM(model=...).generate(prompts, SamplingParams(...))``."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import fields
+from typing import Any, Sequence
+
+from kvserve.engine.engine_core import EngineConfig, EngineCore
+from kvserve.errors import InvalidRequestError
+from kvserve.output_processor import OutputProcessor
+from kvserve.outputs import RequestOutput
+from kvserve.sampling.params import SamplingParams
+
+PromptLike = Any   # str | list[int] | list[chat message dict] | {"prompt"|"prompt_token_ids"|"messages": ...}
+
+
+class LLM:
+    """A tokenizer, an engine core and an output processor in one process.
+
+    Keyword arguments are EngineConfig fields (``kv_cache_bytes``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``num_threads``, ...).
+    """
+
+    def __init__(self, model: str | None = None, **engine_kwargs):
+        from kvserve.loader import load_checkpoint, resolve_model_path
+        from kvserve.tokenizer import Tokenizer
+
+        known = {f.name for f in fields(EngineConfig)}
+        unknown = set(engine_kwargs) - known
+        if unknown:
+            raise TypeError(f"unknown LLM arguments {sorted(unknown)}; known: {sorted(known)}")
+        path = resolve_model_path(model)
+        self.config = EngineConfig(model=path, **engine_kwargs)
+        self.tokenizer = Tokenizer.load(path)
+        self.engine = EngineCore(self.config, load_checkpoint(path))
+        self.processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
+        self._request_ids = itertools.count()
+
+    # ------------------------------------------------------------------ prompts
+    def encode_prompt(self, prompt: PromptLike) -> tuple[str | None, list[int]]:
+        """Turn one prompt (text, token ids, chat messages, or a dict of one of those)
+        into (text or None, token ids)."""
+        if isinstance(prompt, dict) and "role" not in prompt:
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            if "messages" in prompt:
+                return self.encode_prompt(prompt["messages"])
+            if "prompt" in prompt:
+                return self.encode_prompt(prompt["prompt"])
+            raise InvalidRequestError("a prompt dict needs 'prompt', 'prompt_token_ids' or 'messages'",
+                                      param="prompt")
+        if isinstance(prompt, str):
+            return prompt, self.tokenizer.encode(prompt)
+        if isinstance(prompt, (list, tuple)) and prompt and all(isinstance(m, dict) for m in prompt):
+            text = self.tokenizer.apply_chat_template(list(prompt), add_generation_prompt=True)
+            return text, self.tokenizer.encode(text, add_special_tokens=False)
+        if isinstance(prompt, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                     for t in prompt):
+            return None, list(prompt)
+        raise InvalidRequestError("a prompt must be a string, a list of token ids or a list of chat messages",
+                                  param="prompt")
+
+    @staticmethod
+    def _as_prompt_list(prompts) -> list:
+        if isinstance(prompts, (str, dict)):
+            return [prompts]
+        if isinstance(prompts, (list, tuple)) and prompts and (
+                all(isinstance(t, int) for t in prompts) or all(isinstance(m, dict) and "role" in m
+                                                                 for m in prompts)):
+            return [prompts]                     # one token-id prompt or one conversation
+        return list(prompts)
+
+    # --------------------------------------------------------------- generation
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order."""
+        prompt_list = self._as_prompt_list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = ([sampling_params] * len(prompt_list) if isinstance(sampling_params, SamplingParams)
+                       else list(sampling_params))
+        if len(params_list) != len(prompt_list):
+            raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
+        order = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            text, token_ids = self.encode_prompt(prompt)
+            request_id = str(next(self._request_ids))
+            self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
+                                    priority[i] if priority is not None else 0)
+            self.processor.add_request(request_id, text, token_ids, params)
+            order.append(request_id)
+        results = self._run_to_completion()
+        return [results[rid] for rid in order]
+
+    def chat(self, conversations, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self.generate([{"messages": c} for c in conversations], sampling_params)
+
+    def _run_to_completion(self) -> dict[str, RequestOutput]:
+        done: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for output in self.processor.process(self.engine.step()):
+                done[output.request_id] = output
+        return done

@@ -1,0 +1,88 @@
+"""Shared transformer layers: RMSNorm, rotary embeddings, SwiGLU MLP.
+
+Tensors are flattened across requests: ``[num_tokens, ...]`` (varlen, no padding).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as Hugging Face does)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden] -> [T, hidden]
+        dtype = x.dtype
+        x32 = x.float()
+        variance = x32.pow(2).mean(-1, keepdim=True)
+        return self.weight * (x32 * torch.rsqrt(variance + self.eps)).to(dtype)
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2], with Llama-3 style scaling when configured."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    elif kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind not in (None, "default"):
+        raise ValueError(f"unsupported rope scaling {kind!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Neox-style rotary embedding (rotate_half), cos/sin precomputed per position."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        positions = torch.arange(max_positions, dtype=torch.float32)
+        freqs = positions[:, None] * inv_freq[None, :]            # [P, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)                     # [P, head_dim]
+        self.register_buffer("cos", emb.cos(), persistent=False)
+        self.register_buffer("sin", emb.sin(), persistent=False)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated (q, k)."""
+        cos = self.cos[positions].unsqueeze(1).to(q.dtype)           # [T, 1, D]
+        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
+        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class SwiGLUMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), gate and up fused into one matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size),
+                                      requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:    # [T, hidden] -> [T, hidden]
+        gate_up = F.linear(x, self.gate_up_proj)           # [T, 2 * inter]
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return F.linear(F.silu(gate) * up, self.down_proj)
