@@ -81,9 +81,11 @@ class LLM:
                        else list(sampling_params))
         if len(params_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
+        encoded = [self.encode_prompt(prompt) for prompt in prompt_list]
+        for (_text, token_ids), params in zip(encoded, params_list):
+            self.engine.validate_request(token_ids, params)      # all or nothing
         order = []
-        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
-            text, token_ids = self.encode_prompt(prompt)
+        for i, ((text, token_ids), params) in enumerate(zip(encoded, params_list)):
             request_id = str(next(self._request_ids))
             self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
                                     priority[i] if priority is not None else 0)

@@ -99,9 +99,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int] | None = None, priority: int = 0) -> None:
         """Validate and queue a request; ``params.n`` sequences share its prompt blocks."""
-        params.validate()
         prompt = list(prompt_token_ids)
-        self._validate_prompt(prompt, params)
+        self.validate_request(prompt, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         eos = frozenset(self.model_config.eos_token_ids) if eos_token_ids is None else frozenset(eos_token_ids)
         arrival = next(self._arrivals)
@@ -115,7 +114,9 @@ class EngineCore:
         leader.pending_fork = [make(i) for i in range(1, params.n)]
         self.scheduler.add_sequence(leader)
 
-    def _validate_prompt(self, prompt: list[int], params: SamplingParams) -> None:
+    def validate_request(self, prompt: list[int], params: SamplingParams) -> None:
+        """Raise a typed error if this request cannot run here; changes nothing."""
+        params.validate()
         if not prompt:
             raise InvalidRequestError("the prompt is empty", param="prompt")
         vocab = self.model_config.vocab_size
