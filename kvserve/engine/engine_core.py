@@ -159,3 +159,14 @@ class EngineCore:
     def check_integrity(self) -> None:
         """free + used == total, and every used block is held by a live sequence."""
         self.block_pool.check_integrity(self.scheduler.live_block_tables())
+
+    def stats(self) -> dict[str, int]:
+        """Gauges and counters for metrics: running/waiting sequences, KV blocks, preemptions, steps."""
+        return {
+            "num_running_seqs": self.scheduler.num_running,
+            "num_waiting_seqs": self.scheduler.num_waiting,
+            "kv_blocks_used": self.block_pool.num_used_blocks,
+            "kv_blocks_total": self.block_pool.num_blocks,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "num_steps": self.num_steps,
+        }
