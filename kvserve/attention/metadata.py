@@ -23,7 +23,7 @@ class PrefillChunk:
     num_tokens: int
     start_position: int       # tokens already in the cache before this chunk
     block_ids: torch.Tensor   # [num_blocks] int64, covering start_position + num_tokens
-    mask: torch.Tensor        # [num_tokens, context_len] bool, True = attend
+    mask: torch.Tensor | None # [num_tokens, context_len] bool, True = attend; None = plain causal (start 0)
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Pure-torch paged attention: the CPU reference backend that runs anywhere.
 
 KV cache per layer: ``[num_blocks, block_size, kv_heads, head_dim]`` for K and V.
-Grouped-query attention without repeating KV: the ``group = heads // kv_heads``
-query heads of one KV head are folded into the query-length axis.
+Grouped-query attention without repeating KV: for chunks SDPA's ``enable_gqa``; for
+decodes the ``group = heads // kv_heads`` query heads of one KV head are folded into
+the query-length axis of a batched call.
 """
 from __future__ import annotations
 
@@ -49,17 +50,13 @@ class TorchPagedAttention:
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _chunk_attention(self, q, keys, values, mask):
-        """q [n, H, D], keys/values [ctx, KVH, D], mask [n, ctx] -> [n, H, D]."""
-        n = q.shape[0]
-        # [n, KVH, G, D] -> [KVH, G * n, D]: query row (g, i) is head g of token i.
-        qg = q.view(n, self.num_kv_heads, self.group, self.head_dim).permute(1, 2, 0, 3)
-        qg = qg.reshape(1, self.num_kv_heads, self.group * n, self.head_dim)
-        kg = keys.permute(1, 0, 2).unsqueeze(0)                           # [1, KVH, ctx, D]
-        vg = values.permute(1, 0, 2).unsqueeze(0)
-        group_mask = mask.repeat(self.group, 1)                           # [G * n, ctx]
-        o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=group_mask, scale=self.scale)
-        return o.view(self.num_kv_heads, self.group, n, self.head_dim).permute(2, 0, 1, 3).reshape(
-            n, self.num_heads, self.head_dim)
+        """q [n, H, D], keys/values [ctx, KVH, D], mask [n, ctx] or None (plain causal,
+        the chunk starts at position 0) -> [n, H, D]."""
+        o = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0), keys.transpose(0, 1).unsqueeze(0),
+            values.transpose(0, 1).unsqueeze(0), attn_mask=mask, is_causal=mask is None,
+            scale=self.scale, enable_gqa=True)                              # [1, H, n, D]
+        return o[0].transpose(0, 1)
 
     def _decode_attention(self, q, k_cache, v_cache, meta):
         """q [D, H, hd] for single-token sequences -> [D, H, hd]."""

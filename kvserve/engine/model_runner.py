@@ -75,10 +75,12 @@ class ModelRunner:
                 decode_tables.append(table[:num_blocks])
                 decode_lens.append(s.context_len)
             else:
-                query_pos = torch.arange(start, start + n)
-                mask = torch.arange(s.context_len)[None, :] <= query_pos[:, None]
+                mask = None
+                if start > 0:
+                    query_pos = torch.arange(start, start + n)
+                    mask = (torch.arange(s.context_len)[None, :] <= query_pos[:, None]).to(self.device)
                 prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:num_blocks], device=self.device),
-                                             mask.to(self.device)))
+                                             mask))
             if s.sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills,

@@ -27,6 +27,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_file import GGUFTensorInfo, read_gguf, tensor_bytes
 from kvserve.loader.checkpoint import Checkpoint, validate_tensors
 
 GGUF_ARCHITECTURES = ("llama", "qwen2")
@@ -60,24 +61,17 @@ def load_gguf(path: str) -> Checkpoint:
     """
     if not os.path.isfile(path):
         raise ModelLoadError(f"GGUF file not found: {path}", param="model")
-    import gguf  # deferred: only GGUF users pay the import
-
-    try:
-        reader = gguf.GGUFReader(path)
-    except Exception as exc:  # gguf raises ValueError, struct.error, OSError, ...
-        raise ModelLoadError(f"cannot read GGUF file {path} (truncated or corrupt?): {exc}",
-                             param="model") from exc
-    fields = _read_metadata(reader, path)
-    tensor_names = {t.name for t in reader.tensors}
-    config = gguf_config(fields, tensor_names, path)
+    header = read_gguf(path)
+    config = gguf_config(header.metadata, {t.name for t in header.tensors}, path)
+    data = np.memmap(path, dtype=np.uint8, mode="r")
     tensors: dict[str, torch.Tensor] = {}
-    for tensor in reader.tensors:
-        hf_name = hf_tensor_name(tensor.name)
+    for info in header.tensors:
+        hf_name = hf_tensor_name(info.name)
         if hf_name is None:
-            if tensor.name in _IGNORED_NAMES:
+            if info.name in _IGNORED_NAMES:
                 continue
-            raise ModelLoadError(f"GGUF file {path} holds an unsupported tensor {tensor.name!r}")
-        weights = _dequantize(tensor, path)
+            raise ModelLoadError(f"GGUF file {path} holds an unsupported tensor {info.name!r}")
+        weights = _dequantize(info, data, path)
         if config.architecture == "llama":
             weights = _maybe_unpermute(hf_name, weights, config)
         tensors[hf_name] = torch.from_numpy(weights)
@@ -160,48 +154,23 @@ def gguf_config(fields: dict[str, Any], tensor_names: set[str], path: str) -> Mo
     )
 
 
-def _read_metadata(reader: Any, path: str) -> dict[str, Any]:
-    """Decode the metadata fields into plain Python values.
-
-    Scalars become int/float/bool/str, arrays of numbers become lists (per-layer
-    values). Arrays of strings and ``tokenizer.*`` arrays (vocabulary, merges,
-    scores) are not decoded; only their length is kept, as ``"<key>.length"``.
-    """
-    from gguf import GGUFValueType
-
-    out: dict[str, Any] = {}
-    try:
-        for key, field in reader.fields.items():
-            if not field.types:
-                continue
-            main = field.types[0]
-            if main == GGUFValueType.ARRAY:
-                out[key + ".length"] = len(field.data)
-                if field.types[-1] != GGUFValueType.STRING and not key.startswith("tokenizer."):
-                    out[key] = [field.parts[i].tolist()[0] for i in field.data]
-            elif main == GGUFValueType.STRING:
-                out[key] = bytes(field.parts[field.data[0]]).decode("utf-8", errors="replace")
-            else:
-                out[key] = field.parts[field.data[0]].tolist()[0]
-    except Exception as exc:
-        raise ModelLoadError(f"cannot decode GGUF metadata of {path}: {exc}",
-                             param="model") from exc
-    return out
-
-
-def _dequantize(tensor: Any, path: str) -> np.ndarray:
+def _dequantize(info: GGUFTensorInfo, data: np.ndarray, path: str) -> np.ndarray:
     """One GGUF tensor as a writable float32 array in torch (reversed) shape."""
-    from gguf import quants
+    from gguf import GGMLQuantizationType, quants
 
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    shape = tuple(reversed(info.shape))
     try:
-        values = quants.dequantize(tensor.data, tensor.tensor_type)
-        values = values.astype(np.float32, copy=False).reshape(shape)
+        qtype = GGMLQuantizationType(info.type_id)
+    except ValueError as exc:
+        raise ModelLoadError(f"GGUF file {path}: tensor {info.name} has unknown type {info.type_id}") from exc
+    raw = tensor_bytes(info, data)
+    try:
+        values = quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(shape)
     except NotImplementedError as exc:
-        raise ModelLoadError(f"GGUF file {path}: tensor {tensor.name} has type "
-                             f"{tensor.tensor_type.name}, which gguf cannot dequantise") from exc
+        raise ModelLoadError(f"GGUF file {path}: tensor {info.name} has type "
+                             f"{qtype.name}, which gguf cannot dequantise") from exc
     except Exception as exc:
-        raise ModelLoadError(f"GGUF file {path}: cannot read tensor {tensor.name} "
+        raise ModelLoadError(f"GGUF file {path}: cannot read tensor {info.name} "
                              f"(truncated or corrupt?): {exc}") from exc
     if not values.flags.writeable or not values.flags.c_contiguous:
         values = np.array(values, dtype=np.float32, order="C")  # F32 data is a read-only memmap

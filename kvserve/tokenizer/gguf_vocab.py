@@ -16,7 +16,6 @@ Only byte-level BPE is supported; other tokenizer models raise ModelLoadError.
 """
 from __future__ import annotations
 
-import mmap
 import struct
 import warnings
 from dataclasses import dataclass, field
@@ -25,6 +24,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_file import read_gguf_metadata
 
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
@@ -90,61 +90,6 @@ class GGUFTokenizerMetadata:
     add_bos: bool = False
     add_eos: bool = False
     chat_template: str | None = None
-
-
-# GGUF value type -> struct format of a scalar (8 = string, 9 = array).
-_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_STRING, _ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str, prefix: str = "") -> dict:
-    """The key/value metadata of a GGUF file (v2/v3, little-endian) whose keys start with `prefix`.
-
-    A small reader of the header only: the tensor index and data are not
-    touched, so this takes milliseconds where a full GGUFReader parse takes seconds.
-    """
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise ModelLoadError(f"{path!r} is not a GGUF file")
-        version, _num_tensors, num_kv = struct.unpack_from("<IQQ", buf, 4)
-        if version < 2:
-            raise ModelLoadError(f"GGUF version {version} of {path!r} is not supported")
-        offset, found = 24, {}
-        for _ in range(num_kv):
-            key, offset = _read_string(buf, offset)
-            (value_type,) = struct.unpack_from("<I", buf, offset)
-            value, offset = _read_value(buf, offset + 4, value_type, keep=key.startswith(prefix))
-            if key.startswith(prefix):
-                found[key] = value
-        return found
-
-
-def _read_string(buf, offset: int) -> tuple[str, int]:
-    (size,) = struct.unpack_from("<Q", buf, offset)
-    start = offset + 8
-    return buf[start:start + size].decode("utf-8", errors="replace"), start + size
-
-
-def _read_value(buf, offset: int, value_type: int, keep: bool):
-    """(value, next offset) of one GGUF value; arrays not kept are skipped cheaply when fixed-size."""
-    if value_type == _STRING:
-        return _read_string(buf, offset)
-    if value_type == _ARRAY:
-        item_type, count = struct.unpack_from("<IQ", buf, offset)
-        offset += 12
-        if item_type in _SCALAR_FORMATS:
-            fmt = "<" + _SCALAR_FORMATS[item_type] * count
-            end = offset + struct.calcsize(fmt)
-            return (list(struct.unpack_from(fmt, buf, offset)) if keep else None), end
-        items = []
-        for _ in range(count):
-            item, offset = _read_value(buf, offset, item_type, keep)
-            items.append(item)
-        return items, offset
-    if value_type not in _SCALAR_FORMATS:
-        raise ModelLoadError(f"unknown GGUF value type {value_type}")
-    fmt = "<" + _SCALAR_FORMATS[value_type]
-    return struct.unpack_from(fmt, buf, offset)[0], offset + struct.calcsize(fmt)
 
 
 def read_gguf_tokenizer_metadata(path: str) -> GGUFTokenizerMetadata:
