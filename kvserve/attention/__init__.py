@@ -1,7 +1,7 @@
 """Attention backends, chosen by name (``"torch"`` runs anywhere)."""
 from __future__ import annotations
 
-from kvserve.attention.metadata import AttentionMetadata, DecodeBatch, PrefillChunk
+from kvserve.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.attention.torch_paged import TorchPagedAttention
 
 BACKENDS = {"torch": TorchPagedAttention}
@@ -14,4 +14,4 @@ def get_backend(name: str, num_heads: int, num_kv_heads: int, head_dim: int):
     return BACKENDS[name](num_heads, num_kv_heads, head_dim)
 
 
-__all__ = ["AttentionMetadata", "DecodeBatch", "PrefillChunk", "get_backend"]
+__all__ = ["AttentionMetadata", "DecodeGroup", "PrefillChunk", "get_backend"]

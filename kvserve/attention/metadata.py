@@ -3,7 +3,7 @@
 The flat token batch is split into two groups:
 
     tokens: [ p0 p0 p0 | d1 | p2 p2 | d3 | d4 ]      p = multi-token chunk, d = single decode token
-    decode group  -> one batched kernel over padded block tables
+    decode groups -> one batched call per group of similar context lengths
     prefill group -> one call per chunk, causal within the chunk
 
 Positions ``[start, start + n)`` of a chunk attend to cache positions ``[0, start + i]``.
@@ -27,11 +27,15 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeBatch:
-    """Sequences computing exactly one token this step."""
+class DecodeGroup:
+    """Sequences computing exactly one token this step, padded to the group's longest.
+
+    Decodes are sorted by context length and cut into groups so that padding stays small.
+    """
 
     token_index: torch.Tensor    # [D] int64 rows in the flat batch
-    block_tables: torch.Tensor   # [D, max_blocks] int64, padded with block 0
+    block_ids: torch.Tensor      # [D * max_blocks] int64, each row's table padded with block 0
+    max_blocks: int
     mask: torch.Tensor           # [D, 1, 1, max_blocks * block_size] bool, True = attend
 
 
@@ -41,4 +45,4 @@ class AttentionMetadata:
 
     slot_mapping: torch.Tensor                    # [T] int64 cache slot of each token
     prefills: list[PrefillChunk] = field(default_factory=list)
-    decode: DecodeBatch | None = None
+    decode_groups: list[DecodeGroup] = field(default_factory=list)

@@ -24,6 +24,7 @@ class TorchPagedAttention:
         self.head_dim = head_dim
         self.group = num_heads // num_kv_heads
         self.scale = head_dim ** -0.5
+        self._workspaces: list[torch.Tensor | None] = [None, None]    # reused K / V gather buffers
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -44,9 +45,8 @@ class TorchPagedAttention:
                 keys = k_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
                 values = v_cache[chunk.block_ids].view(-1, self.num_kv_heads, self.head_dim)[:context_len]
             out[rows] = self._chunk_attention(q[rows], keys, values, chunk.mask)
-        if meta.decode is not None:
-            out[meta.decode.token_index] = self._decode_attention(
-                q[meta.decode.token_index], k_cache, v_cache, meta)
+        for group in meta.decode_groups:
+            out[group.token_index] = self._decode_attention(q[group.token_index], k_cache, v_cache, group)
         return out.view(num_tokens, self.num_heads * self.head_dim)
 
     def _chunk_attention(self, q, keys, values, mask):
@@ -58,13 +58,27 @@ class TorchPagedAttention:
             scale=self.scale, enable_gqa=True)                              # [1, H, n, D]
         return o[0].transpose(0, 1)
 
-    def _decode_attention(self, q, k_cache, v_cache, meta):
-        """q [D, H, hd] for single-token sequences -> [D, H, hd]."""
-        decode = meta.decode
+    def _decode_attention(self, q, k_cache, v_cache, group):
+        """q [D, H, hd] for single-token sequences -> [D, H, hd].
+
+        Blocks are gathered with index_select into reused workspaces (fresh large
+        buffers cost page faults on every call), then one batched SDPA call."""
         num_seqs = q.shape[0]
-        # [D, nb, bs, KVH, hd] -> [D, KVH, nb * bs, hd]
-        keys = k_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
-        values = v_cache[decode.block_tables].flatten(1, 2).transpose(1, 2)
+        ctx = group.max_blocks * k_cache.shape[1]
+        keys = self._gather(k_cache, group.block_ids, 0).view(num_seqs, ctx, self.num_kv_heads, self.head_dim)
+        values = self._gather(v_cache, group.block_ids, 1).view(num_seqs, ctx, self.num_kv_heads, self.head_dim)
         qg = q.view(num_seqs, self.num_kv_heads, self.group, self.head_dim)
-        o = F.scaled_dot_product_attention(qg, keys, values, attn_mask=decode.mask, scale=self.scale)
+        o = F.scaled_dot_product_attention(qg, keys.transpose(1, 2), values.transpose(1, 2),
+                                           attn_mask=group.mask, scale=self.scale)
         return o.reshape(num_seqs, self.num_heads, self.head_dim)
+
+    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """cache [blocks, bs, KVH, hd] rows ``block_ids`` -> [len(block_ids), bs * KVH * hd] in workspace ``slot``."""
+        flat = cache.view(cache.shape[0], -1)
+        need = block_ids.numel() * flat.shape[1]
+        ws = self._workspaces[slot]
+        if ws is None or ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
+            ws = torch.empty(int(need * 1.25), dtype=cache.dtype, device=cache.device)
+            self._workspaces[slot] = ws
+        out = ws[:need].view(block_ids.numel(), flat.shape[1])
+        return torch.index_select(flat, 0, block_ids, out=out)

@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from kvserve.attention import AttentionMetadata, DecodeBatch, PrefillChunk
+from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow
 
@@ -84,17 +84,33 @@ class ModelRunner:
             if s.sample:
                 sample_rows.append(row + n - 1)
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills,
-                                 decode=self._decode_batch(decode_rows, decode_tables, decode_lens))
+                                 decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens))
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),
                 meta, torch.tensor(sample_rows, device=self.device))
 
-    def _decode_batch(self, rows, tables, lens) -> DecodeBatch | None:
-        if not rows:
-            return None
+    def _decode_groups(self, rows, tables, lens) -> list[DecodeGroup]:
+        """Sort single-token sequences by context length and cut them into groups whose
+        padded size wastes at most ~25% over the group's real tokens."""
+        order = sorted(range(len(rows)), key=lambda i: lens[i])
+        groups, current = [], []
+        for i in order:
+            candidate = current + [i]
+            padded = len(candidate) * len(tables[i])          # longest so far is the last
+            real = sum(len(tables[j]) for j in candidate)
+            if current and padded > 1.25 * real + 4 * len(candidate):
+                groups.append(current)
+                candidate = [i]
+            current = candidate
+        if current:
+            groups.append(current)
+        return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lens[i] for i in g])
+                for g in groups]
+
+    def _decode_group(self, rows, tables, lens) -> DecodeGroup:
         max_blocks = max(len(t) for t in tables)
-        padded = [t + [0] * (max_blocks - len(t)) for t in tables]
+        flat_ids = [b for t in tables for b in t + [0] * (max_blocks - len(t))]
         lens_t = torch.tensor(lens)
         mask = torch.arange(max_blocks * self.block_size)[None, :] < lens_t[:, None]    # [D, S]
-        return DecodeBatch(token_index=torch.tensor(rows, device=self.device),
-                           block_tables=torch.tensor(padded, device=self.device),
+        return DecodeGroup(token_index=torch.tensor(rows, device=self.device),
+                           block_ids=torch.tensor(flat_ids, device=self.device), max_blocks=max_blocks,
                            mask=mask[:, None, None, :].to(self.device))
