@@ -85,26 +85,32 @@ class LlamaForCausalLM(nn.Module):
         return F.linear(hidden, weight).float()
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
-        """Copy Hugging Face-named tensors in, fusing q/k/v and gate/up."""
-        def take(name: str) -> torch.Tensor:
-            if name not in tensors:
-                raise KeyError(f"checkpoint lacks tensor {name}")
-            return tensors[name]
+        """Take Hugging Face-named tensors (no copy where no fusion is needed), fusing
+        q/k/v and gate/up. Shapes are checked against the parameters they replace."""
+        def take(*names: str) -> torch.Tensor:
+            missing = [n for n in names if n not in tensors]
+            if missing:
+                raise KeyError(f"checkpoint lacks tensors {missing}")
+            return tensors[names[0]] if len(names) == 1 else torch.cat([tensors[n] for n in names])
 
-        with torch.no_grad():
-            self.embed_tokens.copy_(take("model.embed_tokens.weight"))
-            self.norm.weight.copy_(take("model.norm.weight"))
-            if self.lm_head is not None:
-                self.lm_head.copy_(take("lm_head.weight"))
-            for i, layer in enumerate(self.layers):
-                p = f"model.layers.{i}."
-                attn = layer.self_attn
-                attn.qkv_proj.copy_(torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]))
-                if attn.qkv_bias is not None:
-                    attn.qkv_bias.copy_(torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]))
-                attn.o_proj.copy_(take(p + "self_attn.o_proj.weight"))
-                layer.mlp.gate_up_proj.copy_(torch.cat([take(p + "mlp.gate_proj.weight"),
-                                                        take(p + "mlp.up_proj.weight")]))
-                layer.mlp.down_proj.copy_(take(p + "mlp.down_proj.weight"))
-                layer.input_layernorm.weight.copy_(take(p + "input_layernorm.weight"))
-                layer.post_attention_layernorm.weight.copy_(take(p + "post_attention_layernorm.weight"))
+        def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
+            old = getattr(module, attr)
+            if old.shape != value.shape:
+                raise ValueError(f"{attr}: checkpoint shape {tuple(value.shape)} != model {tuple(old.shape)}")
+            setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))
+
+        put(self, "embed_tokens", take("model.embed_tokens.weight"))
+        put(self.norm, "weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put(self, "lm_head", take("lm_head.weight"))
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            attn = layer.self_attn
+            put(attn, "qkv_proj", take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
+            if attn.qkv_bias is not None:
+                put(attn, "qkv_bias", take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")))
+            put(attn, "o_proj", take(p + "self_attn.o_proj.weight"))
+            put(layer.mlp, "gate_up_proj", take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+            put(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
+            put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
+            put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
