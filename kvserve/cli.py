@@ -10,6 +10,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     from kvserve.generate_cli import register as register_generate
     register_generate(sub)
+    from kvserve.server.cli import register as register_serve
+    register_serve(sub)
+    from kvserve.bench.cli import register as register_bench
+    register_bench(sub)
     try:
         from kvserve.planner.cli import register as register_planner
     except ImportError:  # planner CLI not built yet

@@ -27,6 +27,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="do not reuse KV blocks across prompts (the prefix cache is on by default)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
     p.set_defaults(func=run)
 
@@ -55,7 +57,8 @@ def run(args) -> int:
     try:
         kv_bytes = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
         llm = LLM(args.model, kv_cache_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads)
+                  max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
+                  enable_prefix_cache=args.prefix_cache)
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                 stop=args.stop)

@@ -18,7 +18,7 @@ class LLM:
     """A tokenizer, an engine core and an output processor in one process.
 
     Keyword arguments are EngineConfig fields (``kv_cache_bytes``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``num_threads``, ...).
+    ``max_num_batched_tokens``, ``num_threads``, ``enable_prefix_cache``, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
@@ -72,8 +72,14 @@ class LLM:
 
     # --------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Generate for every prompt (continuous batching); outputs in prompt order."""
+                 priority: Sequence[int] | None = None, *, cache_salt: str | None = None,
+                 adapter_id: str | None = None, use_prefix_cache: bool = True) -> list[RequestOutput]:
+        """Generate for every prompt (continuous batching); outputs in prompt order.
+
+        ``cache_salt`` / ``adapter_id`` namespace the prefix cache (requests share cached
+        KV only within one namespace); ``use_prefix_cache=False`` opts these requests
+        out. ``RequestOutput.num_cached_tokens`` counts prompt tokens served by the cache.
+        """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -88,17 +94,24 @@ class LLM:
         for i, ((text, token_ids), params) in enumerate(zip(encoded, params_list)):
             request_id = str(next(self._request_ids))
             self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
-                                    priority[i] if priority is not None else 0)
+                                    priority[i] if priority is not None else 0, cache_salt=cache_salt,
+                                    adapter_id=adapter_id, use_prefix_cache=use_prefix_cache)
             self.processor.add_request(request_id, text, token_ids, params)
             order.append(request_id)
         results = self._run_to_completion()
         return [results[rid] for rid in order]
 
-    def chat(self, conversations, sampling_params: SamplingParams | None = None) -> list[RequestOutput]:
-        """Generate replies to one conversation (a list of messages) or a list of them."""
+    def chat(self, conversations, sampling_params: SamplingParams | None = None,
+             **cache_kwargs) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of messages) or a list of them;
+        ``cache_kwargs`` as in ``generate`` (cache_salt, adapter_id, use_prefix_cache)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
-        return self.generate([{"messages": c} for c in conversations], sampling_params)
+        return self.generate([{"messages": c} for c in conversations], sampling_params, **cache_kwargs)
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached KV block no running request uses; returns how many."""
+        return self.engine.reset_prefix_cache()
 
     def _run_to_completion(self) -> dict[str, RequestOutput]:
         done: dict[str, RequestOutput] = {}

@@ -1,7 +1,9 @@
 """Output processing: engine SeqUpdates -> detokenised text, stop strings, RequestOutputs.
 
-Runs in the front end (the offline LLM, later the HTTP process). Stop strings are
-matched here on text; a match finishes the sequence in the engine.
+Runs in the front end (the offline LLM and the HTTP process). Stop strings are
+matched here on text; a match finishes the sequence in the engine. ``process``
+returns finished requests (offline use); ``process_deltas`` also returns what each
+update added to a completion, for streaming.
 """
 from __future__ import annotations
 
@@ -12,6 +14,23 @@ from kvserve.engine.step import SeqUpdate
 from kvserve.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling.params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+
+
+@dataclass
+class CompletionDelta:
+    """What one engine update added to one completion (a streaming chunk's worth).
+
+    ``text`` is safe to send (no broken character, no possible stop-string start);
+    ``logprobs`` has one ``{chosen id: lp, top ids: lp}`` dict per new token when asked.
+    """
+
+    request_id: str
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -42,43 +61,72 @@ class OutputProcessor:
                 stop=params.stop or (), include_stop_str_in_output=params.include_stop_str_in_output))
         self._requests[request_id] = state
 
+    def has_request(self, request_id: str) -> bool:
+        """Whether ``request_id`` is live here (added, not finished, not aborted)."""
+        return request_id in self._requests
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Forget a request the front end ended (client gone, deadline, drain); its
+        unfinished completions get finish_reason ``abort``. Returns its output, or None."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        for completion in state.output.outputs:
+            if not completion.finished:
+                completion.text += state.detokenizers[completion.index].finish()
+                completion.finish_reason = "abort"
+        return state.output
+
     def process(self, updates: list[SeqUpdate]) -> list[RequestOutput]:
         """Apply updates; return the requests that finished with them."""
-        finished = []
+        return self.process_deltas(updates)[0]
+
+    def process_deltas(self, updates: list[SeqUpdate]) -> tuple[list[RequestOutput], list[CompletionDelta]]:
+        """Apply updates; return the requests that finished with them and, in update
+        order, the delta each update made to its completion."""
+        finished, deltas = [], []
         for update in updates:
             state = self._requests.get(update.request_id)
             if state is None:
                 continue
             completion = state.output.outputs[update.sibling_index]
+            state.output.num_cached_tokens = max(state.output.num_cached_tokens, update.num_cached_tokens)
             if completion.finished:
                 continue
-            self._append(state, completion, update)
+            deltas.append(self._append(state, completion, update))
             if state.output.finished:
                 finished.append(self._requests.pop(update.request_id).output)
-        return finished
+        return finished, deltas
 
-    def _append(self, state: _RequestState, completion: CompletionOutput, update: SeqUpdate) -> None:
+    def _append(self, state: _RequestState, completion: CompletionOutput,
+                update: SeqUpdate) -> CompletionDelta:
         detok = state.detokenizers[completion.index]
         completion.token_ids.extend(update.new_token_ids)
+        delta = CompletionDelta(update.request_id, completion.index, "", list(update.new_token_ids),
+                                [] if completion.logprobs is not None else None)
         for sampled in update.new_logprobs:
             if completion.logprobs is not None:
                 entry = {sampled.token_id: sampled.logprob}
                 entry.update({tid: lp for tid, lp in sampled.top_logprobs if tid not in entry})
                 completion.logprobs.append(entry)
+                delta.logprobs.append(entry)
                 completion.cumulative_logprob += sampled.logprob
         stopped = False
         if update.new_token_ids:
-            delta = detok.add(update.new_token_ids)
-            completion.text += delta.text
-            stopped = delta.stopped
+            released = detok.add(update.new_token_ids)
+            delta.text = released.text
+            stopped = released.stopped
         if stopped and update.finish_reason is None:
             self._stop_sequence(update.seq_id)
         if stopped:
             completion.finish_reason = "stop"
             completion.stop_reason = detok.stop_hit
         elif update.finish_reason is not None:
-            completion.text += detok.finish()
+            delta.text += detok.finish()
             completion.finish_reason = update.finish_reason
             last = completion.token_ids[-1] if completion.token_ids else None
             if update.finish_reason == "stop" and last is not None and last not in self.tokenizer.eos_token_ids:
                 completion.stop_reason = last
+        completion.text += delta.text
+        delta.finish_reason, delta.stop_reason = completion.finish_reason, completion.stop_reason
+        return delta

@@ -45,11 +45,12 @@ def test_hf_folder_matches_transformers(kind, tmp_path, model_path):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ours = llm.generate(PROMPTS, greedy)
     reference, gaps = [], []
+    hf_model.generation_config.eos_token_id = None
     with torch.inference_mode():
         for out in ours:
             ids = torch.tensor([out.prompt_token_ids])
             gen = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
-                                    min_new_tokens=12, output_logits=True, return_dict_in_generate=True,
+                                    output_logits=True, return_dict_in_generate=True,
                                     pad_token_id=2)
             reference.append(gen.sequences[0, ids.shape[1]:].tolist())
             top2 = torch.stack(gen.logits)[:, 0].float().log_softmax(-1).topk(2).values

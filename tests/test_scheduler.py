@@ -50,7 +50,7 @@ class Harness:
         return plan, updates
 
     def check(self):
-        self.pool.check_integrity(self.sched.live_block_tables())
+        self.sched.check_integrity()
 
     def run(self, max_steps=500):
         for _ in range(max_steps):

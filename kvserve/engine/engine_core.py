@@ -3,6 +3,8 @@
 It sees token ids and SamplingParams only (no HTTP, JSON, chat templates or text).
 One ``step()`` is the DESIGN.md step contract:
 ``plan = scheduler.schedule(); result = runner.execute(plan); scheduler.update(plan, result)``.
+The prefix cache (``engine/prefix_cache.py``) lives beside the block pool and is driven
+by the scheduler; here requests get their cache namespace and the cache its admin calls.
 """
 from __future__ import annotations
 
@@ -16,6 +18,8 @@ import torch
 from kvserve.engine.block_pool import BlockPool
 from kvserve.engine.kv_cache import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.prefix_cache import PrefixCache
+from kvserve.engine.prefix_events import CacheEvent, CacheNamespace
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence
 from kvserve.engine.step import SeqUpdate
@@ -40,6 +44,8 @@ class EngineConfig:
     num_threads: int | None = None        # torch intra-op threads on CPU; None = all cores
     attention_backend: str = "torch"
     seed: int = 0                         # for unseeded sampling
+    enable_prefix_cache: bool = True      # reuse KV blocks across requests (--no-prefix-cache)
+    prefix_cache_grace_s: float = 0.0     # a finished request's blocks stay unevictable this long
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -86,8 +92,11 @@ class EngineCore:
         logger.info("KV cache: %s", self.kv_plan.explanation)
         kv_cache = allocate_kv_cache(mc, self.kv_plan, self.dtype, self.device)
         self.block_pool = BlockPool(self.kv_plan.num_blocks, config.block_size)
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens),
-                                   self.block_pool)
+        self.prefix_cache = PrefixCache(self.block_pool) if config.enable_prefix_cache else None
+        self.weight_epoch = 0
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
+                                                   config.prefix_cache_grace_s),
+                                   self.block_pool, self.prefix_cache)
         backend = get_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.runner = ModelRunner(model, kv_cache, backend, config.block_size, self.device,
                                   Sampler(seed=config.seed))
@@ -97,18 +106,30 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    eos_token_ids: frozenset[int] | None = None, priority: int = 0) -> None:
-        """Validate and queue a request; ``params.n`` sequences share its prompt blocks."""
+                    eos_token_ids: frozenset[int] | None = None, priority: int = 0, *,
+                    cache_salt: str | None = None, adapter_id: str | None = None,
+                    use_prefix_cache: bool = True) -> None:
+        """Validate and queue a request; ``params.n`` sequences share its prompt blocks.
+
+        Prefix caching: the request reads and writes KV blocks of the namespace
+        (``adapter_id``, current weight epoch, ``cache_salt``). ``cache_salt`` must be
+        derived from the authenticated caller, never copied from a request body, so
+        tenants never share blocks; ``adapter_id`` only namespaces the cache today.
+        ``use_prefix_cache=False`` opts this request out (no reads, no writes).
+        """
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         eos = frozenset(self.model_config.eos_token_ids) if eos_token_ids is None else frozenset(eos_token_ids)
         arrival = next(self._arrivals)
+        namespace = (CacheNamespace(adapter_id, self.weight_epoch, cache_salt)
+                     if self.prefix_cache is not None and use_prefix_cache else None)
 
         def make(sibling: int) -> Sequence:
             return Sequence(seq_id=next(self._seq_ids), request_id=request_id, sibling_index=sibling,
                             prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
-                            eos_token_ids=eos, priority=priority, arrival_index=arrival)
+                            eos_token_ids=eos, priority=priority, arrival_index=arrival,
+                            cache_namespace=namespace)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
@@ -157,16 +178,48 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def check_integrity(self) -> None:
-        """free + used == total, and every used block is held by a live sequence."""
-        self.block_pool.check_integrity(self.scheduler.live_block_tables())
+        """free + cached-only + in use == total; every reference is held by a live
+        sequence or the prefix cache; the cache tree and its locks are sound."""
+        self.scheduler.check_integrity()
 
-    def stats(self) -> dict[str, int]:
-        """Gauges and counters for metrics: running/waiting sequences, KV blocks, preemptions, steps."""
+    # ------------------------------------------------------------ prefix cache
+    def reset_prefix_cache(self) -> int:
+        """Admin: drop every cached block no running request uses (grace ignored);
+        returns how many. Authentication is the caller's job."""
+        return self.scheduler.reset_prefix_cache()
+
+    def bump_weight_epoch(self) -> int:
+        """Call after reloading weights: new requests use a new cache namespace, so no
+        block computed with older weights is matched again; the older epochs' unlocked
+        blocks are dropped now, the rest when their requests finish and LRU reaches them."""
+        self.weight_epoch += 1
+        if self.prefix_cache is not None:
+            epoch = self.weight_epoch
+            self.prefix_cache.evict_namespaces(lambda ns: ns.weight_epoch < epoch)
+        return self.weight_epoch
+
+    def drain_cache_events(self) -> list[CacheEvent]:
+        """Block stored / removed events since the last drain (for a cache-aware router)."""
+        return self.prefix_cache.drain_events() if self.prefix_cache is not None else []
+
+    def stats(self) -> dict[str, int | float]:
+        """Gauges and counters for metrics: running/waiting sequences, KV blocks (in use by
+        requests, cached-only, total), preemptions, steps, and the prefix cache's queries,
+        hit tokens, hit rate and evicted blocks (zeros when the cache is off)."""
+        cache = self.prefix_cache.stats() if self.prefix_cache is not None else None
         return {
             "num_running_seqs": self.scheduler.num_running,
             "num_waiting_seqs": self.scheduler.num_waiting,
             "kv_blocks_used": self.block_pool.num_used_blocks,
+            "kv_blocks_cached": self.block_pool.num_cached_only_blocks,
             "kv_blocks_total": self.block_pool.num_blocks,
             "num_preemptions": self.scheduler.num_preemptions,
             "num_steps": self.num_steps,
+            "prefix_cache_enabled": int(cache is not None),
+            "prefix_cache_queries": cache.num_queries if cache else 0,
+            "prefix_cache_query_tokens": cache.num_query_tokens if cache else 0,
+            "prefix_cache_hit_tokens": cache.num_hit_tokens if cache else 0,
+            "prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
+            "prefix_cache_evicted_blocks": cache.num_evicted_blocks if cache else 0,
+            "prefix_cache_blocks": cache.num_cached_blocks if cache else 0,
         }

@@ -3,9 +3,18 @@
 There are no prefill and decode phases. Every sequence has ``num_computed_tokens``
 and a number of tokens to compute; each step hands out ``max_num_batched_tokens``
 across sequences, running ones first (oldest, highest priority first), then
-waiting ones in (priority, arrival) order. When blocks run out, the newest
-lowest-priority running sequence is preempted by recompute: its blocks are freed
-and it returns to the waiting queue at its original place.
+waiting ones in (priority, arrival) order. When blocks run out, the prefix cache
+gives back unlocked blocks first (LRU); only if that cannot cover the need is the
+newest lowest-priority running sequence preempted by recompute: its blocks are
+freed (the full ones stay cached) and it returns to the waiting queue at its
+original place.
+
+With a prefix cache, a sequence is matched against the cache when it is admitted
+(its computed count starts at the hit, in whole blocks, never covering its last
+token), and its newly full blocks are inserted as they are computed, so concurrent
+requests with the same prefix, later turns and recomputes after preemption reuse
+them. A running sequence keeps its cache handle locked; a finished one unlocks it
+with ``prefix_cache_grace_s`` of protection (a live turn awaiting its next message).
 
 Never imports torch: it sees ints and lists only.
 """
@@ -15,6 +24,7 @@ import heapq
 from dataclasses import dataclass
 
 from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.prefix_cache import PrefixCache
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from kvserve.engine.step import ScheduledSeq, SeqUpdate, StepPlan, StepResult
 
@@ -25,14 +35,16 @@ class SchedulerConfig:
 
     max_num_seqs: int = 64              # running sequences at once
     max_num_batched_tokens: int = 1024  # tokens computed per step (all sequences)
+    prefix_cache_grace_s: float = 0.0   # a finished request's cached blocks stay unevictable this long
 
 
 class Scheduler:
     """Owns sequences and their block tables; produces StepPlans, consumes StepResults."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool):
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, prefix_cache: PrefixCache | None = None):
         self.config = config
         self.block_pool = block_pool
+        self.prefix_cache = prefix_cache       # None: no caching at all
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
         self._running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
@@ -55,6 +67,17 @@ class Scheduler:
         """Block tables of every sequence holding blocks (for integrity checks)."""
         return [seq.block_table for seq in self._running]
 
+    def check_integrity(self) -> None:
+        """Assert free + cached-only + in use == total, every reference accounted for
+        (sequences' block tables plus the cache's one), the cache tree sound and its
+        locks held exactly by the running sequences' handles."""
+        self.block_pool.check_integrity(self.live_block_tables())
+        if self.prefix_cache is not None:
+            self.prefix_cache.check_integrity(s.cache_handle for s in self._running if s.cache_handle)
+        for seq in self._waiting:
+            if seq[1].block_table or seq[1].cache_handle is not None:
+                raise AssertionError(f"waiting sequence {seq[1].seq_id} holds blocks or a cache lock")
+
     # ------------------------------------------------------------- admission
     def add_sequence(self, seq: Sequence) -> None:
         """Queue a new sequence (its siblings, if any, travel in ``seq.pending_fork``)."""
@@ -73,7 +96,7 @@ class Scheduler:
             if not seq.is_finished:
                 self._finish(seq, FinishReason.ABORT)
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index, [], [],
-                                     FinishReason.ABORT.value))
+                                     FinishReason.ABORT.value, seq.num_cached_tokens))
         self._waiting = [(k, s) for k, s in self._waiting if not s.is_finished]
         heapq.heapify(self._waiting)
         return updates
@@ -110,12 +133,24 @@ class Scheduler:
         pool = self.block_pool
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0][1]
+            handle = self._match_prefix(seq)            # locked, or None
+            hit_blocks = list(handle.block_ids) if handle is not None else []
+            seq.num_computed_tokens = len(hit_blocks) * pool.block_size
             num_new = min(seq.num_tokens_to_compute, budget)
-            needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-            if needed > pool.num_free_blocks:
+            needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(hit_blocks)
+            if not self._evict_for(needed):
+                seq.num_computed_tokens = 0
+                if handle is not None:
+                    self.prefix_cache.unlock(handle)
                 break             # FCFS: nobody overtakes the head of the queue
             heapq.heappop(self._waiting)
-            seq.block_table.extend(pool.allocate(needed) or [])
+            pool.share(hit_blocks)
+            seq.block_table = hit_blocks + (pool.allocate(needed) or [])
+            seq.cache_handle = handle
+            if handle is not None:
+                self.prefix_cache.record_query(seq.num_tokens, seq.num_computed_tokens)
+                if seq.num_preemptions == 0:
+                    seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
             if num_new > 0:
@@ -123,20 +158,47 @@ class Scheduler:
                 budget -= num_new
         return budget
 
+    def _match_prefix(self, seq: Sequence):
+        """The locked cache handle of ``seq``'s longest cached prefix (never its last
+        token), or None when ``seq`` does not use the cache."""
+        if self.prefix_cache is None or seq.cache_namespace is None:
+            return None
+        tokens = seq.token_slice(0, seq.num_tokens)
+        handle = self.prefix_cache.match(seq.cache_namespace, tokens, max_tokens=seq.num_tokens - 1)
+        self.prefix_cache.lock(handle)
+        return handle
+
+    def _evict_for(self, num_blocks: int) -> bool:
+        """Make ``num_blocks`` blocks free, evicting unlocked cached blocks if needed.
+        False if even that cannot (the caller preempts or waits)."""
+        pool = self.block_pool
+        while num_blocks > pool.num_free_blocks and self.prefix_cache is not None:
+            if not self.prefix_cache.evict(num_blocks - pool.num_free_blocks):
+                break
+        return num_blocks <= pool.num_free_blocks
+
     def _reserve_blocks(self, seq: Sequence, num_new: int, plan: StepPlan,
                         scheduled_ids: set[int]) -> bool:
-        """Grow ``seq``'s block table for ``num_new`` tokens, preempting newer
-        sequences while blocks are short. False if ``seq`` had to preempt itself."""
+        """Grow ``seq``'s block table for ``num_new`` tokens, evicting cached blocks,
+        then preempting newer sequences, while blocks are short. False if ``seq`` had
+        to preempt itself."""
         pool = self.block_pool
         needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        while needed > pool.num_free_blocks:
+        if not self._make_room(needed, seq, plan, scheduled_ids):
+            return False
+        if needed > 0:
+            seq.block_table.extend(pool.allocate(needed))
+        return True
+
+    def _make_room(self, num_blocks: int, seq: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
+        """Free ``num_blocks`` blocks for ``seq``: eviction first, then preemption of the
+        newest unscheduled sequence; if none is left, ``seq`` preempts itself (False)."""
+        while not self._evict_for(num_blocks):
             victim = self._pick_victim(scheduled_ids | {seq.seq_id})
             if victim is None:
                 self._preempt(seq, plan)
                 return False
             self._preempt(victim, plan)
-        if needed > 0:
-            seq.block_table.extend(pool.allocate(needed))
         return True
 
     def _pick_victim(self, protected: set[int]) -> Sequence | None:
@@ -146,6 +208,8 @@ class Scheduler:
         return None
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
+        """Recompute preemption: blocks freed (its full ones stay cached), back to waiting."""
+        self._release_cache_handle(seq, grace_s=0.0)
         self.block_pool.free(seq.block_table)
         seq.block_table = []
         seq.num_computed_tokens = 0
@@ -158,18 +222,14 @@ class Scheduler:
 
     def _fork(self, leader: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Give each pending sibling the leader's computed prompt prefix: full blocks
-        are shared, a partially filled last block is copied (copy-on-write)."""
+        are shared (and the leader's cache handle locked once more per sibling), a
+        partially filled last block is copied (copy-on-write)."""
         pool = self.block_pool
         children = leader.pending_fork
         num_full = leader.num_computed_tokens // pool.block_size
         has_partial = leader.num_computed_tokens % pool.block_size != 0
-        needed = len(children) if has_partial else 0
-        while needed > pool.num_free_blocks:
-            victim = self._pick_victim(scheduled_ids | {leader.seq_id})
-            if victim is None:
-                self._preempt(leader, plan)
-                return False
-            self._preempt(victim, plan)
+        if not self._make_room(len(children) if has_partial else 0, leader, plan, scheduled_ids):
+            return False
         shared = leader.block_table[:num_full]
         for child in children:
             pool.share(shared)
@@ -179,12 +239,43 @@ class Scheduler:
                 plan.block_copies.append((leader.block_table[num_full], copy))
                 child.block_table.append(copy)
             child.num_computed_tokens = leader.num_computed_tokens
+            child.num_cached_tokens = leader.num_cached_tokens
+            if leader.cache_handle is not None:
+                self.prefix_cache.lock(leader.cache_handle)
+                child.cache_handle = leader.cache_handle
             child.status = SeqStatus.RUNNING
             self._seqs[child.seq_id] = child
         leader.pending_fork = []
         position = self._running.index(leader) + 1
         self._running[position:position] = children
         return True
+
+    # ------------------------------------------------------------ prefix cache
+    def _cache_full_blocks(self, seq: Sequence) -> None:
+        """Insert ``seq``'s newly computed full blocks into the cache and move its lock
+        to the longer prefix."""
+        old = seq.cache_handle
+        if old is None:
+            return
+        bs = self.block_pool.block_size
+        num_full = seq.num_computed_tokens // bs
+        if num_full <= old.num_blocks:
+            return
+        start = old.num_blocks
+        new = self.prefix_cache.insert(old, seq.token_slice(start * bs, num_full * bs),
+                                       seq.block_table[start:num_full])
+        self.prefix_cache.lock(new)
+        self.prefix_cache.unlock(old)
+        seq.cache_handle = new
+
+    def _release_cache_handle(self, seq: Sequence, grace_s: float) -> None:
+        if seq.cache_handle is not None:
+            self.prefix_cache.unlock(seq.cache_handle, grace_s)
+            seq.cache_handle = None
+
+    def reset_prefix_cache(self) -> int:
+        """Drop every cached block no running sequence uses; returns how many."""
+        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
 
     @staticmethod
     def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
@@ -206,6 +297,7 @@ class Scheduler:
             if seq is None or seq.is_finished or seq.status is not SeqStatus.RUNNING:
                 continue          # aborted or preempted after this plan was made
             seq.num_computed_tokens += item.num_tokens
+            self._cache_full_blocks(seq)
             if not item.sample:
                 continue
             sampled = result.sampled[item.seq_id]
@@ -215,7 +307,7 @@ class Scheduler:
                 self._finish(seq, reason)
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index,
                                      [sampled.token_id], [sampled],
-                                     reason.value if reason else None))
+                                     reason.value if reason else None, seq.num_cached_tokens))
         return updates
 
     @staticmethod
@@ -233,6 +325,7 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
+        self._release_cache_handle(seq, self.config.prefix_cache_grace_s)
         if seq.block_table:
             self.block_pool.free(seq.block_table)
             seq.block_table = []

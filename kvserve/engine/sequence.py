@@ -4,6 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from kvserve.engine.prefix_cache import PrefixHandle
+from kvserve.engine.prefix_events import CacheNamespace
 from kvserve.sampling.params import SamplingParams
 
 
@@ -45,6 +47,11 @@ class Sequence:
     # n > 1: siblings still to be forked from this (leader) sequence once its
     # prompt, but for the last token, is computed. Empty for everyone else.
     pending_fork: list["Sequence"] = field(default_factory=list)
+    # Prefix cache: the namespace this sequence reads and writes (None = opted out or
+    # the cache is off); while RUNNING, the locked handle of its longest cached prefix.
+    cache_namespace: CacheNamespace | None = None
+    cache_handle: PrefixHandle | None = None
+    num_cached_tokens: int = 0            # prompt tokens served by the cache at first admission
 
     @property
     def num_tokens(self) -> int:

@@ -82,3 +82,4 @@ class SeqUpdate:
     new_token_ids: list[int]
     new_logprobs: list[SampledToken]
     finish_reason: str | None = None
+    num_cached_tokens: int = 0       # prompt tokens of this request served by the prefix cache
