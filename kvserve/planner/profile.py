@@ -1,0 +1,247 @@
+"""``kvserve profile``: measure this machine and kvserve's own run times; save a hardware entry.
+
+1. Memory bandwidth: best of several full reads (``sum``) of a 256 MiB tensor, and copies.
+2. Matrix-multiply FLOP/s: best of several fp32 2048^3 GEMMs.
+3. kvserve: timed ``LLM.generate`` runs over batch sizes and prompt lengths (prefill-only
+   runs with ``max_tokens=1`` and longer decode runs), best of ``--repeats`` (other load only
+   ever slows a run down), fitted by :mod:`calibrate` into efficiency factors and host
+   overheads for the planner's roofline.
+
+The saved entry (``~/.cache/kvserve/hardware/<name>.json`` or ``--out``) is read by
+``kvserve plan --gpu local`` / ``--gpu-file PATH``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import platform
+import random
+import time
+from types import MappingProxyType
+from typing import Callable, Sequence
+
+from kvserve.planner.calibrate import RunSample, fit_efficiencies
+from kvserve.planner.errors import PlannerInputError
+from kvserve.planner.hardware import (HardwareSpec, default_hardware_dir, hardware_to_dict, load_hardware_file,
+                                      save_hardware_file)
+from kvserve.planner.models import ModelSpec
+from kvserve.planner.simulate import SchedulerLimits
+
+# (prompt lengths, max_tokens). Prefill-only runs (max_tokens=1) pair with decode runs over batch
+# sizes 1-64 and contexts 16-1024; a long prompt among short ones mixes decode lengths (the torch
+# backend batches decodes in length groups).
+FULL_RUNS = (((16,), 1), ((16,), 48), ((1024,), 1), ((1024,), 32), ((2048,), 1), ((64,) * 4, 1),
+             ((64,) * 4, 32), ((64,) * 16, 24), ((16,) * 64, 1), ((16,) * 64, 12),
+             ((512,) * 16, 12), ((1024,) + (16,) * 63, 10))
+QUICK_RUNS = (((16,), 1), ((16,), 24), ((512,), 1), ((64,) * 4, 16), ((16,) * 64, 6),
+              ((256,) * 16, 8))
+
+
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def resolve_clock(clock: str, threads: int | None) -> str:
+    """``auto``: the process's CPU time when the engine runs one thread (time the OS gives other
+    jobs on a shared machine is not kvserve's), wall time otherwise."""
+    if clock == "auto":
+        return "cpu" if threads == 1 else "wall"
+    if clock not in CLOCKS:
+        raise PlannerInputError(f"--clock must be auto, wall or cpu, not {clock!r}", param="clock")
+    return clock
+
+
+def measure_bandwidth(num_bytes: int = 256 * 2**20, repeats: int = 7, clock: str = "wall") -> dict:
+    """Best-of-``repeats`` memory bandwidth in bytes/s with torch on the CPU: a full read
+    (``sum``), a copy (read + write) and a matrix-vector product streaming a large matrix.
+    ``bytes_per_s`` is the best of the three (the machine's attainable streaming rate)."""
+    import torch
+
+    x = torch.ones(num_bytes // 4, dtype=torch.float32)
+    y = torch.empty_like(x)
+    mat, vec = x.view(-1, 4096), torch.ones(4096)
+    now = CLOCKS[clock]
+    read, copy, matvec = 0.0, 0.0, 0.0
+    for _ in range(repeats):
+        t = now()
+        x.sum()
+        read = max(read, num_bytes / max(now() - t, 1e-9))
+        t = now()
+        y.copy_(x)
+        copy = max(copy, 2 * num_bytes / max(now() - t, 1e-9))
+        t = now()
+        torch.mv(mat, vec)
+        matvec = max(matvec, num_bytes / max(now() - t, 1e-9))
+    return {"read_bytes_per_s": read, "copy_bytes_per_s": copy, "matvec_bytes_per_s": matvec,
+            "bytes_per_s": max(read, copy, matvec), "buffer_bytes": num_bytes}
+
+
+def measure_gemm_flops(n: int = 2048, repeats: int = 5, clock: str = "wall") -> dict:
+    """Best-of-``repeats`` fp32 ``n x n @ n x n`` FLOP/s."""
+    import torch
+
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    now = CLOCKS[clock]
+    best = 0.0
+    for _ in range(repeats):
+        t = now()
+        torch.mm(a, b)
+        best = max(best, 2 * n ** 3 / max(now() - t, 1e-9))
+    return {"fp32_flops": best, "n": n}
+
+
+def time_runs(generate: Callable[[list[list[int]], int], None],
+              runs: Sequence[tuple[tuple[int, ...], int]], vocab_size: int, repeats: int = 1,
+              seed: int = 0, clock: str = "wall") -> list[RunSample]:
+    """Time ``generate(prompts, max_tokens)`` for each (prompt lengths, max_tokens) on ``clock``;
+    fresh random prompts every call (no prefix-cache hit). Best of ``repeats``, taken as whole
+    rounds over all runs so a burst of outside load spoils different runs in different rounds."""
+    rng = random.Random(seed)
+    now = CLOCKS[clock]
+    best = [float("inf")] * len(runs)
+    for _ in range(max(1, repeats)):
+        for i, (lengths, max_tokens) in enumerate(runs):
+            prompts = [[rng.randrange(100, vocab_size - 100) for _ in range(n)] for n in lengths]
+            t = now()
+            generate(prompts, max_tokens)
+            best[i] = min(best[i], now() - t)
+    return [RunSample(tuple(lengths), max_tokens, t) for (lengths, max_tokens), t in zip(runs, best)]
+
+
+def model_from_engine(mc) -> ModelSpec:
+    """ModelSpec from the engine's own ModelConfig (what the engine actually runs)."""
+    return ModelSpec(name=mc.name or mc.architecture, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
+                     intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size, num_heads=mc.num_heads,
+                     num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
+                     tie_word_embeddings=mc.tie_word_embeddings, max_context=mc.max_position_embeddings,
+                     qkv_bias=mc.attention_bias, source="kvserve engine ModelConfig")
+
+
+def open_engine(model: str | None, threads: int | None):
+    """(generate(prompts, max_tokens), engine facts) for kvserve's offline API."""
+    from kvserve import LLM, SamplingParams
+
+    kwargs = {"num_threads": threads} if threads else {}
+    llm = LLM(model=model, **kwargs)
+
+    reset = getattr(llm.engine, "reset_prefix_cache", None)
+
+    def generate(prompts: list[list[int]], max_tokens: int) -> None:
+        if reset is not None:
+            reset()                        # every run computes its whole prompt
+        llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+
+    eng = llm.engine
+    dtype = str(eng.dtype).replace("torch.", "")
+    facts = {"model": model_from_engine(eng.model_config), "dtype": dtype,
+             "max_num_seqs": llm.config.max_num_seqs, "max_num_batched_tokens": llm.config.max_num_batched_tokens,
+             "block_size": llm.config.block_size, "attention_backend": llm.config.attention_backend,
+             "device": str(eng.device), "threads": threads, "kv_cache_tokens": eng.kv_plan.max_tokens}
+    return generate, facts
+
+
+def base_entry(name: str, bw: dict, gemm: dict, price: float) -> HardwareSpec:
+    """The raw (100%-efficiency) hardware entry from the micro-benchmarks."""
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return HardwareSpec(name=name, memory_bytes=float(ram), mem_bandwidth=bw["bytes_per_s"],
+                        flops=MappingProxyType({"fp32": gemm["fp32_flops"]}), interconnect_bw=0.0,
+                        price_per_hour=price, gpus_per_node=1, mem_efficiency=1.0, kv_efficiency=1.0,
+                        flops_efficiency=1.0, runtime_overhead_bytes=0.0, kv_read_mode="padded",
+                        source=f"kvserve profile on {platform.node()} ({platform.processor() or platform.machine()}, "
+                               f"{os.cpu_count()} CPUs)")
+
+
+def calibrate_engine(raw: HardwareSpec, facts: dict, samples: list[RunSample]) -> HardwareSpec:
+    """Fit the engine samples and return the calibrated entry (with the evidence attached)."""
+    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+    from kvserve.planner.roofline import cost_model
+
+    model: ModelSpec = facts["model"]
+    dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(facts["dtype"], "fp32")
+    mode = "padded" if facts["attention_backend"] == "torch" else "sum"
+    raw = dataclasses.replace(raw, kv_read_mode=mode)
+    unit = cost_model(model, raw, weight_dtype(dtype), kv_dtype(dtype), 1)
+    limits = SchedulerLimits(facts["max_num_seqs"], facts["max_num_batched_tokens"], facts["block_size"])
+    fit = fit_efficiencies(unit, samples, limits)
+    calibration = {k: v for k, v in facts.items() if k != "model"}
+    calibration.update(model=model.name, model_spec=dataclasses.asdict(model), weight_dtype=dtype,
+                       rms_relative_error=round(fit.rms_relative_error, 4), runs=list(fit.per_run),
+                       samples=[[list(s.prompts), s.max_tokens, s.seconds] for s in samples],
+                       fitted_at=time.strftime("%Y-%m-%dT%H:%M:%S"))
+    return dataclasses.replace(raw, mem_efficiency=fit.mem_efficiency, flops_efficiency=fit.flops_efficiency,
+                               kv_efficiency=fit.kv_efficiency, step_overhead_s=fit.step_overhead_s,
+                               seq_overhead_s=fit.seq_overhead_s, request_overhead_s=fit.request_overhead_s,
+                               gemv_efficiency=fit.gemv_efficiency, calibration=MappingProxyType(calibration))
+
+
+def refit_entry(hw: HardwareSpec) -> HardwareSpec:
+    """Re-fit a saved entry from its stored samples (after a change to the fit, no re-measuring)."""
+    cal = dict(hw.calibration)
+    if "samples" not in cal or "model_spec" not in cal:
+        raise PlannerInputError("this hardware entry has no stored engine samples to refit", param="refit")
+    spec = {k: v for k, v in cal["model_spec"].items() if k not in ("mla", "moe")}
+    facts = {k: cal[k] for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
+                                 "attention_backend", "device", "threads", "kv_cache_tokens") if k in cal}
+    facts["model"] = ModelSpec(**spec)
+    samples = [RunSample(tuple(p), int(n), float(s)) for p, n, s in cal["samples"]]
+    raw = dataclasses.replace(hw, mem_efficiency=1.0, kv_efficiency=1.0, flops_efficiency=1.0,
+                              gemv_efficiency=None, step_overhead_s=0.0, seq_overhead_s=0.0,
+                              request_overhead_s=0.0)
+    out = calibrate_engine(raw, facts, samples)
+    keep = {k: cal[k] for k in ("bandwidth", "gemm", "clock", "load_average_1m") if k in cal}
+    return dataclasses.replace(out, calibration=MappingProxyType({**out.calibration, **keep}))
+
+
+def measure(args) -> HardwareSpec:
+    """Micro-benchmarks, then (unless --skip-engine) timed kvserve runs and the fit."""
+    threads = getattr(args, "threads", None)
+    if threads:
+        import torch
+        torch.set_num_threads(threads)    # measure with the threads the engine will use
+    clock = resolve_clock(getattr(args, "clock", "auto"), threads)
+    print(f"measuring memory bandwidth and fp32 GEMM FLOP/s ({clock} clock) ...", flush=True)
+    bw, gemm = measure_bandwidth(clock=clock), measure_gemm_flops(clock=clock)
+    hw = base_entry(args.name, bw, gemm, args.price_per_hour)
+    if not args.skip_engine:
+        print("timing kvserve runs (this takes a few minutes) ...", flush=True)
+        generate, facts = open_engine(args.model, threads)
+        generate([[101] * 8], 2)                                   # warm-up
+        samples = time_runs(generate, QUICK_RUNS if args.quick else FULL_RUNS, facts["model"].vocab_size,
+                            repeats=getattr(args, "repeats", 2) or 1, clock=clock)
+        hw = calibrate_engine(hw, facts, samples)
+    return dataclasses.replace(hw, calibration=MappingProxyType(
+        {**hw.calibration, "bandwidth": bw, "gemm": gemm, "threads": threads, "clock": clock,
+         "load_average_1m": round(os.getloadavg()[0], 2)}))
+
+
+def summary(hw: HardwareSpec) -> list[str]:
+    """Human lines: rates, fitted factors, per-run predicted vs measured."""
+    cal = dict(hw.calibration)
+    bw, gemm = cal.get("bandwidth", {}), cal.get("gemm", {})
+    lines = [f"bandwidth {hw.mem_bandwidth / 1e9:.1f} GB/s (read {bw.get('read_bytes_per_s', 0) / 1e9:.1f}, copy "
+             f"{bw.get('copy_bytes_per_s', 0) / 1e9:.1f}, matvec {bw.get('matvec_bytes_per_s', 0) / 1e9:.1f}); "
+             f"fp32 GEMM {gemm.get('fp32_flops', 0) / 1e9:.1f} GFLOP/s"]
+    if "runs" in cal:
+        lines.append(f"fitted: weight streaming eff {hw.mem_efficiency:.3f} (multi-token GEMMs; one-token "
+                     f"steps {hw.gemv_efficiency or hw.mem_efficiency:.3f}), GEMM FLOP/s eff "
+                     f"{hw.flops_efficiency:.3f}, KV read eff {hw.kv_efficiency:.3f}, host overhead "
+                     f"{hw.step_overhead_s * 1e3:.2f} ms/step + {hw.seq_overhead_s * 1e3:.3f} ms/seq/step + "
+                     f"{hw.request_overhead_s * 1e3:.2f} ms/request; rms error {cal['rms_relative_error']:.1%} "
+                     f"({cal.get('clock', 'wall')} clock)")
+        lines += [f"  {run}" for run in cal["runs"]]
+    return lines
+
+
+def profile_command(args) -> int:
+    """Measure (or --refit), save, print a summary (or the entry as JSON)."""
+    path = args.out or os.path.join(default_hardware_dir(), f"{args.name}.json")
+    if getattr(args, "refit", False):
+        hw = refit_entry(load_hardware_file(path))
+    else:
+        hw = measure(args)
+    save_hardware_file(hw, path)
+    if args.json:
+        print(json.dumps(hardware_to_dict(hw), indent=2))
+    else:
+        print("\n".join(summary(hw) + [f"saved {path}"]))
+    return 0
