@@ -1,0 +1,235 @@
+"""The FastAPI application: routes, body checks and the error mapping.
+
+Order of checks for a generation request (all before any response header):
+auth (middleware) -> content type (415) -> body size (413) -> UTF-8 / JSON (400)
+-> fields (400, naming the field) -> model (404) -> starting / draining (503)
+-> tokenise, context length (400) -> queue bound (503 + Retry-After) -> engine.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
+
+from kvserve.errors import KVServeError
+from kvserve.server import protocol
+from kvserve.server.auth import AuthMiddleware
+from kvserve.server.errors import (BodyTooLargeError, InternalServerError, ModelNotFoundError, NotFoundError,
+                                   ServiceUnavailableError, UnsupportedMediaTypeError)
+from kvserve.server.metrics import ServerMetrics
+from kvserve.server.responses import TokenSpeller
+from kvserve.server.serving import Generation, prepare_prompts
+from kvserve.server.state import ServerState
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class ServingContext:
+    """Everything the routes share; one per server process."""
+
+    tokenizer: object
+    model_name: str
+    model_aliases: frozenset[str]
+    state: ServerState
+    metrics: ServerMetrics
+    max_body_bytes: int = 4 * 2**20
+    default_deadline_s: float | None = None
+    api_keys: dict[str, str] = field(default_factory=dict)
+    client: object = None                          # EngineClient once started
+    active: set = field(default_factory=set)       # Generations in flight
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self):
+        self.speller = TokenSpeller(self.tokenizer)
+
+
+# ------------------------------------------------------------------- errors
+def error_response(err: KVServeError) -> JSONResponse:
+    headers = {}
+    if isinstance(err, ServiceUnavailableError):
+        headers["Retry-After"] = str(err.retry_after_s)
+    return JSONResponse(err.to_dict(), status_code=err.http_status, headers=headers)
+
+
+def _install_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
+    @app.exception_handler(KVServeError)
+    async def _typed(request: Request, err: KVServeError):
+        ctx.metrics.rejected.inc(status=str(err.http_status), code=str(err.code))
+        return error_response(err)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException):
+        return error_response(NotFoundError(f"{request.method} {request.url.path}: {exc.detail}",
+                                            status=exc.status_code if exc.status_code == 405 else 404))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        logger.exception("unhandled error on %s", request.url.path)
+        ctx.metrics.rejected.inc(status="500", code="internal_error")
+        return error_response(InternalServerError("internal server error"))
+
+
+# --------------------------------------------------------------------- body
+async def read_json(request: Request, ctx: ServingContext) -> dict:
+    """The request's JSON object, after the content-type and size checks."""
+    content_type = request.headers.get("content-type")
+    if content_type is not None and content_type.split(";")[0].strip().lower() != "application/json":
+        raise UnsupportedMediaTypeError(f"Content-Type must be application/json, got {content_type!r}")
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > ctx.max_body_bytes:
+        raise BodyTooLargeError(f"the body has {length} bytes; the limit is {ctx.max_body_bytes}")
+    chunks, size = [], 0
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > ctx.max_body_bytes:
+                raise BodyTooLargeError(f"the body exceeds the limit of {ctx.max_body_bytes} bytes")
+            chunks.append(chunk)
+    except ClientDisconnect as exc:
+        raise protocol.InvalidRequestError("the client disconnected while sending the body",
+                                           code="client_disconnected") from exc
+    return protocol.parse_json_body(b"".join(chunks))
+
+
+def check_model(ctx: ServingContext, model: str | None) -> None:
+    if model is not None and model not in ctx.model_aliases:
+        raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
+                                 param="model")
+
+
+# -------------------------------------------------------------- generation
+async def _watch_disconnect(receive, generation: Generation) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            generation.control("disconnect")
+            return
+
+
+class EventStreamResponse(Response):
+    """SSE response that watches for the client going away while it streams, so a
+    disconnect aborts the request at once, not at the next write."""
+
+    def __init__(self, generation: Generation):        # no body, no content-length
+        self.status_code = 200
+        self.background = None
+        self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+        self.generation = generation
+
+    async def __call__(self, scope, receive, send) -> None:
+        watcher = asyncio.create_task(_watch_disconnect(receive, self.generation))
+        events = self.generation.stream()
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in events:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except OSError:
+            pass                                           # client gone mid-write
+        finally:
+            watcher.cancel()
+            await events.aclose()
+
+
+async def generate(request: Request, ctx: ServingContext, kind: str):
+    body = await read_json(request, ctx)
+    spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
+    check_model(ctx, spec.model)
+    ctx.state.check_accepting(ctx.client)
+    prompts = prepare_prompts(spec, ctx.tokenizer, ctx.client.info)
+    generation = Generation(ctx, spec, prompts, request.scope.get("state", {}).get("tenant"))
+    ctx.state.admit(ctx.client, len(prompts), generation.num_prompt_tokens)
+    try:
+        generation.submit()
+    except BaseException:
+        generation.close()
+        raise
+    if spec.stream:
+        return EventStreamResponse(generation)
+    watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
+    try:
+        result = await generation.collect()
+    finally:
+        watcher.cancel()
+    if result is None:
+        return Response(status_code=499)                  # nobody is listening any more
+    return JSONResponse(result)
+
+
+# ------------------------------------------------------------------ routes
+def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, ctx, "completion")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, ctx, "chat")
+
+    @app.get("/v1/models")
+    async def models():
+        info = ctx.client.info if ctx.client is not None else None
+        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
+                "max_model_len": info.max_model_len if info else None}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/health")
+    async def health():
+        pid = ctx.client.info.pid if ctx.client is not None and ctx.client.info else None
+        return {"status": "ok", "engine_pid": pid}
+
+    @app.get("/ready")
+    async def ready():
+        reason = ctx.state.not_ready_reason(ctx.client)
+        ctx.metrics.ready.set(0 if reason else 1)
+        if reason:
+            return error_response(ServiceUnavailableError(reason, code="not_ready"))
+        return {"status": "ready"}
+
+    @app.get("/metrics")
+    async def metrics():
+        if ctx.client is not None:
+            ctx.metrics.in_flight.set(len(ctx.client.requests))
+            ctx.metrics.queued.set(ctx.client.num_queued)
+        ctx.metrics.ready.set(0 if ctx.state.not_ready_reason(ctx.client) else 1)
+        return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        values = protocol.parse_tokenize(await read_json(request, ctx))
+        check_model(ctx, values.get("model"))
+        if values.get("messages") is not None:
+            text = ctx.tokenizer.apply_chat_template(values["messages"], add_generation_prompt=values.get(
+                "add_generation_prompt", True) is not False)
+            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
+        else:
+            tokens = ctx.tokenizer.encode(values["prompt"],
+                                          add_special_tokens=values.get("add_special_tokens") is not False)
+        info = ctx.client.info if ctx.client is not None else None
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        values = protocol.parse_detokenize(await read_json(request, ctx))
+        check_model(ctx, values.get("model"))
+        bad = [t for t in values["tokens"] if t >= ctx.tokenizer.vocab_size]
+        if bad:
+            raise protocol.InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
+        return {"prompt": ctx.tokenizer.decode(values["tokens"])}
+
+
+def build_app(ctx: ServingContext) -> AuthMiddleware:
+    """The ASGI application: FastAPI routes behind the API-key middleware."""
+    app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
+    _install_error_handlers(app, ctx)
+    _add_routes(app, ctx)
+    app.state.ctx = ctx
+    return AuthMiddleware(app, ctx.api_keys)

@@ -1,0 +1,116 @@
+"""``kvserve serve``: the OpenAI-compatible HTTP server (see docs/server.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import sys
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+def register(subparsers) -> None:
+    """Add the ``serve`` subcommand."""
+    p = subparsers.add_parser("serve", help="run the OpenAI-compatible HTTP server",
+                              description="Serve a model over an OpenAI-compatible HTTP API.")
+    p.add_argument("--model", default=None, help="a .gguf file or a Hugging Face folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients send (default: from the file)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (tenant 'default'); env KVSERVE_API_KEY")
+    p.add_argument("--api-keys-file", default=None, help="file of 'KEY TENANT' lines or a JSON {key: tenant}")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget in GiB")
+    eng.add_argument("--max-num-seqs", type=int, default=64)
+    eng.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    eng.add_argument("--max-model-len", type=int, default=None)
+    eng.add_argument("--threads", type=int, default=None, help="engine torch threads (default: all cores)")
+    eng.add_argument("--engine-cpus", default=None, help="pin the engine process to these CPUs, e.g. 0 or 0-1")
+    eng.add_argument("--http-cpus", default=None, help="pin the HTTP process to these CPUs")
+    eng.add_argument("--device", default="auto")
+    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--seed", type=int, default=0, help="seed of the engine's unseeded sampling")
+    lim = p.add_argument_group("limits")
+    lim.add_argument("--max-queued-requests", type=int, default=256,
+                     help="requests admitted but not yet scheduled; past it: 503 + Retry-After")
+    lim.add_argument("--max-queued-tokens", type=int, default=262_144, help="prompt tokens of those requests")
+    lim.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    lim.add_argument("--retry-after", type=int, default=1, help="Retry-After seconds on 503")
+    lim.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    lim.add_argument("--stall-timeout", type=float, default=60.0,
+                     help="/ready is 503 when requests run and no token came for this long")
+    lim.add_argument("--default-deadline", type=float, default=None, help="per-request deadline in seconds")
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def engine_config_from_args(args, model_path: str) -> dict:
+    """EngineConfig fields (plus ``cpus``) for the engine process."""
+    from kvserve.server.launcher import pin_cpus
+    return {"model": model_path, "device": args.device, "dtype": args.dtype,
+            "kv_cache_bytes": int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
+            "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
+            "cpus": pin_cpus(args.engine_cpus)}
+
+
+def model_names(model_path: str, served: str | None) -> tuple[str, frozenset[str]]:
+    """The model id /v1/models lists, and every id a request may send."""
+    from kvserve.errors import KVServeError
+    from kvserve.loader import default_model_path
+    from kvserve.loader.api import DEFAULT_MODEL_ALIASES
+    stem = os.path.basename(model_path.rstrip("/"))
+    stem = stem[:-5] if stem.endswith(".gguf") else stem
+    aliases = {stem, model_path}
+    try:
+        if os.path.samefile(model_path, default_model_path()):
+            stem = DEFAULT_MODEL_NAME
+            aliases |= set(DEFAULT_MODEL_ALIASES) | {stem, "HuggingFaceTB/" + stem}
+    except (OSError, KVServeError):
+        pass
+    name = served or stem
+    return name, frozenset(aliases | {name})
+
+
+def build_server(args):
+    """A KVServer for these arguments (loads the tokenizer; the engine starts in serve())."""
+    from kvserve.loader import resolve_model_path
+    from kvserve.server.app import ServingContext
+    from kvserve.server.auth import load_keys
+    from kvserve.server.launcher import KVServer
+    from kvserve.server.metrics import ServerMetrics
+    from kvserve.server.state import AdmissionLimits, ServerState
+    from kvserve.tokenizer import Tokenizer
+
+    model_path = resolve_model_path(args.model)
+    name, aliases = model_names(model_path, args.served_model_name)
+    limits = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens, args.retry_after,
+                             args.stall_timeout)
+    ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
+                         state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
+                         default_deadline_s=args.default_deadline,
+                         api_keys=load_keys(args.api_key, args.api_keys_file))
+    return KVServer(ctx, engine_config_from_args(args, model_path), args.host, args.port,
+                    drain_timeout_s=args.drain_timeout)
+
+
+def run(args) -> int:
+    from kvserve.errors import KVServeError
+    from kvserve.server.launcher import pin_cpus, set_http_affinity
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s",
+                        stream=sys.stderr)
+    os.environ.setdefault("KVSERVE_LOG_LEVEL", args.log_level.upper())
+    set_http_affinity(pin_cpus(args.http_cpus))
+    try:
+        server = build_server(args)
+    except (KVServeError, OSError, ValueError) as err:
+        print(f"kvserve serve: {getattr(err, 'message', err)}", file=sys.stderr)
+        return 2
+    print(f"kvserve: serving {server.ctx.model_name!r} on http://{args.host}:{args.port}", file=sys.stderr)
+    try:
+        import uvloop
+        return uvloop.run(server.serve())
+    except ImportError:
+        return asyncio.run(server.serve())

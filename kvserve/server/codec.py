@@ -1,0 +1,199 @@
+"""The one codec between the HTTP process and the engine process.
+
+Messages are plain dataclasses. On the wire each is a msgpack map
+``{"t": <type tag>, ...fields}`` framed by a 4-byte big-endian length. No pickle:
+decoding builds only the dataclasses registered here, from ints, floats, strings,
+lists and dicts.
+
+HTTP -> engine: InitEngine (once, first), AddRequest, AbortRequests, StopSequences,
+Shutdown. Engine -> HTTP: EngineReady (once), StepOutputs, RequestError, EngineStats.
+"""
+from __future__ import annotations
+
+import dataclasses
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+from kvserve.engine.step import SampledToken, SeqUpdate
+from kvserve.sampling.params import SamplingParams
+
+FRAME_HEADER = struct.Struct(">I")
+MAX_FRAME_BYTES = 256 * 2**20
+
+
+class CodecError(ValueError):
+    """A frame that is not a message of this codec (a bug or a corrupt stream)."""
+
+
+# ------------------------------------------------------------------ messages
+@dataclass
+class InitEngine:
+    """The engine's configuration: EngineConfig fields by name."""
+
+    engine_config: dict
+
+
+@dataclass
+class EngineReady:
+    """Sent once the model is loaded: the numbers the HTTP process validates against."""
+
+    max_model_len: int
+    vocab_size: int
+    num_blocks: int
+    block_size: int
+    kv_max_tokens: int
+    eos_token_ids: list[int]
+    kv_explanation: str
+    pid: int
+
+
+@dataclass
+class AddRequest:
+    """Queue a request (``params.n`` sequences); ``tenant`` names who sent it (API key's tenant)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: list[int] | None = None
+    priority: int = 0
+    tenant: str | None = None
+
+
+@dataclass
+class AbortRequests:
+    """Abort these requests now (client gone, deadline, drain); their blocks are freed."""
+
+    request_ids: list[str]
+
+
+@dataclass
+class StopSequences:
+    """Finish these sequences with reason ``stop`` (a stop string matched in the front end)."""
+
+    seq_ids: list[int]
+
+
+@dataclass
+class Shutdown:
+    """Abort everything and exit."""
+
+
+@dataclass
+class EngineStats:
+    """Gauges and counters of the engine (EngineCore.stats plus the loop's own)."""
+
+    stats: dict[str, Any]
+
+
+@dataclass
+class StepOutputs:
+    """What one engine step produced, plus the request ids that were scheduled for the
+    first time (their queue time ended) and the engine's stats after the step."""
+
+    updates: list[SeqUpdate]
+    started: list[str] = field(default_factory=list)
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class RequestError:
+    """The engine refused or lost a request; ``error`` is the OpenAI error body."""
+
+    request_id: str
+    status: int
+    error: dict
+
+
+_TYPES: dict[str, type] = {cls.__name__: cls for cls in (
+    InitEngine, EngineReady, AddRequest, AbortRequests, StopSequences, Shutdown, EngineStats,
+    StepOutputs, RequestError)}
+
+
+# --------------------------------------------------------------- conversion
+def _sampled_to_wire(s: SampledToken) -> list:
+    return [s.token_id, s.logprob, [[t, lp] for t, lp in s.top_logprobs]]
+
+
+def _sampled_from_wire(raw: list) -> SampledToken:
+    return SampledToken(int(raw[0]), raw[1], [(int(t), float(lp)) for t, lp in raw[2]])
+
+
+def _update_to_wire(u: SeqUpdate) -> list:
+    return [u.seq_id, u.request_id, u.sibling_index, list(u.new_token_ids),
+            [_sampled_to_wire(s) for s in u.new_logprobs if s.logprob is not None], u.finish_reason,
+            u.num_cached_tokens]
+
+
+def _update_from_wire(raw: list) -> SeqUpdate:
+    seq_id, request_id, sibling, tokens, logprobs, finish, num_cached = raw
+    return SeqUpdate(seq_id, request_id, sibling, list(tokens), [_sampled_from_wire(s) for s in logprobs],
+                     finish, num_cached)
+
+
+def to_wire(message) -> dict:
+    """A message as a msgpack-able dict with its type tag."""
+    name = type(message).__name__
+    if name not in _TYPES:
+        raise CodecError(f"not a codec message: {name}")
+    if isinstance(message, StepOutputs):
+        return {"t": name, "updates": [_update_to_wire(u) for u in message.updates],
+                "started": message.started, "stats": message.stats}
+    body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    if isinstance(message, AddRequest):
+        body["params"] = dataclasses.asdict(message.params)
+    return {"t": name, **body}
+
+
+def from_wire(raw: Any):
+    """The message a decoded map describes (CodecError if it is not one)."""
+    if not isinstance(raw, dict) or raw.get("t") not in _TYPES:
+        raise CodecError(f"unknown message: {str(raw)[:80]}")
+    cls = _TYPES[raw.pop("t")]
+    try:
+        if cls is StepOutputs:
+            return StepOutputs([_update_from_wire(u) for u in raw["updates"]], raw["started"], raw["stats"])
+        if cls is AddRequest:
+            raw["params"] = SamplingParams(**raw["params"])
+        return cls(**raw)
+    except (TypeError, KeyError, ValueError) as exc:
+        raise CodecError(f"malformed {cls.__name__}: {exc}") from exc
+
+
+def encode(message) -> bytes:
+    """One framed message: 4-byte length, then msgpack."""
+    payload = msgpack.packb(to_wire(message), use_bin_type=True)
+    return FRAME_HEADER.pack(len(payload)) + payload
+
+
+def decode_payload(payload: bytes):
+    """The message in one frame's payload (without the length header)."""
+    try:
+        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
+        raise CodecError(f"undecodable frame: {exc}") from exc
+    return from_wire(raw)
+
+
+class FrameBuffer:
+    """Accumulates bytes from a stream socket and yields complete messages."""
+
+    def __init__(self):
+        self._buffer = bytearray()
+
+    def feed(self, data: bytes) -> list:
+        """Append ``data``; return every message completed by it, in order."""
+        self._buffer += data
+        messages = []
+        while len(self._buffer) >= FRAME_HEADER.size:
+            (size,) = FRAME_HEADER.unpack_from(self._buffer)
+            if size > MAX_FRAME_BYTES:
+                raise CodecError(f"frame of {size} bytes exceeds {MAX_FRAME_BYTES}")
+            end = FRAME_HEADER.size + size
+            if len(self._buffer) < end:
+                break
+            messages.append(decode_payload(bytes(self._buffer[FRAME_HEADER.size:end])))
+            del self._buffer[:end]
+        return messages

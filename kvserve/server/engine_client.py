@@ -1,0 +1,252 @@
+"""The HTTP process's handle on the engine process.
+
+Spawns ``python -m kvserve.server.engine_proc`` with one end of a socket pair,
+sends it codec messages, and turns what comes back into per-request events:
+
+    engine ──StepOutputs──▶ OutputProcessor.process_deltas ──▶ sink queue of the HTTP request
+                                  │ stop string matched
+                                  └──StopSequences──▶ engine
+
+Events put on a request's sink, as ``(tag, event)``: a ``CompletionDelta``, the
+final ``RequestOutput`` (the request finished), or a ``KVServeError`` (the engine
+refused or lost it). Exactly one of the last two ends every request.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kvserve.errors import KVServeError
+from kvserve.output_processor import OutputProcessor
+from kvserve.outputs import RequestOutput
+from kvserve.sampling.params import SamplingParams
+from kvserve.server import codec
+from kvserve.server.errors import ServiceUnavailableError
+from kvserve.server.metrics import ServerMetrics
+
+logger = logging.getLogger("kvserve.server")
+
+
+@dataclass
+class TrackedRequest:
+    """One engine request as the HTTP process sees it (timings feed the metrics)."""
+
+    request_id: str
+    sink: asyncio.Queue
+    tag: int
+    num_prompt_tokens: int
+    arrival: float
+    started: bool = False
+    first_token_time: float | None = None
+    last_token_time: dict[int, float] = field(default_factory=dict)   # per completion index
+    num_generated: int = 0
+
+
+class EngineClient:
+    """Owns the engine process and the output processor; one per server."""
+
+    def __init__(self, tokenizer, metrics: ServerMetrics, engine_config: dict,
+                 on_dead: Callable[[], None] | None = None):
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.engine_config = dict(engine_config)
+        self.on_dead = on_dead
+        self.processor = OutputProcessor(tokenizer, self._stop_sequence)
+        self.requests: dict[str, TrackedRequest] = {}
+        self.info: codec.EngineReady | None = None
+        self.stats: dict = {}
+        self.process: subprocess.Popen | None = None
+        self.dead = False
+        self.last_token_time = time.monotonic()
+        self._closing = False
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task | None = None
+        self._pending_stops: list[int] = []
+
+    # ------------------------------------------------------------- lifecycle
+    async def start(self, timeout_s: float = 600.0) -> codec.EngineReady:
+        """Spawn the engine process and wait until its model is loaded."""
+        parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "kvserve.server.engine_proc", "--fd", str(child.fileno())],
+            pass_fds=(child.fileno(),), env=env)
+        child.close()
+        reader, self._writer = await asyncio.open_unix_connection(sock=parent)
+        self._send(codec.InitEngine(self.engine_config))
+        self.info = await asyncio.wait_for(self._read_ready(reader), timeout_s)
+        self._reader_task = asyncio.create_task(self._read_loop(reader))
+        return self.info
+
+    async def _read_ready(self, reader: asyncio.StreamReader) -> codec.EngineReady:
+        message = await self._read_message(reader)
+        if not isinstance(message, codec.EngineReady):
+            raise RuntimeError(f"engine sent {type(message).__name__} before EngineReady")
+        return message
+
+    @staticmethod
+    async def _read_message(reader: asyncio.StreamReader):
+        header = await reader.readexactly(codec.FRAME_HEADER.size)
+        (size,) = codec.FRAME_HEADER.unpack(header)
+        if size > codec.MAX_FRAME_BYTES:
+            raise codec.CodecError(f"frame of {size} bytes")
+        return codec.decode_payload(await reader.readexactly(size))
+
+    async def shutdown(self, timeout_s: float = 10.0) -> int | None:
+        """Ask the engine to exit; kill it if it does not within ``timeout_s``. Its exit code."""
+        self._closing = True
+        if self.process is None:
+            return None
+        if self.process.poll() is None and not self.dead:
+            try:
+                self._send(codec.Shutdown())
+                await self._writer.drain()
+            except (ConnectionError, RuntimeError):
+                pass
+        deadline = time.monotonic() + timeout_s
+        while self.process.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()
+        if self._writer is not None:
+            self._writer.close()
+        return self.process.returncode
+
+    # -------------------------------------------------------------- requests
+    def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str | None,
+               params: SamplingParams, sink: asyncio.Queue, tag: int, arrival: float,
+               tenant: str | None = None, priority: int = 0) -> None:
+        """Send a validated request to the engine; its events go to ``sink`` tagged ``tag``."""
+        if self.dead or self.info is None:
+            raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
+        self.requests[request_id] = TrackedRequest(request_id, sink, tag, len(prompt_token_ids), arrival)
+        self.processor.add_request(request_id, prompt_text, prompt_token_ids, params)
+        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
+        self._send(codec.AddRequest(request_id, list(prompt_token_ids), params,
+                                    sorted(self.tokenizer.eos_token_ids), priority, tenant))
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """End a request now (client gone, deadline, drain): the engine frees its blocks before
+        its next step. Returns the output so far (unfinished completions: ``abort``), or None
+        if the request had already ended. Puts nothing on the sink."""
+        tracked = self.requests.pop(request_id, None)
+        if tracked is None:
+            return None
+        if not self.dead:
+            self._send(codec.AbortRequests([request_id]))
+        output = self.processor.abort_request(request_id)
+        self.metrics.finished.inc(finish_reason="abort")
+        return output
+
+    @property
+    def num_queued(self) -> int:
+        """Requests admitted but not yet scheduled by the engine."""
+        return sum(1 for r in self.requests.values() if not r.started)
+
+    @property
+    def num_queued_tokens(self) -> int:
+        return sum(r.num_prompt_tokens for r in self.requests.values() if not r.started)
+
+    # --------------------------------------------------------------- I/O
+    def _send(self, message) -> None:
+        if self._writer is None or self._writer.is_closing():
+            raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
+        self._writer.write(codec.encode(message))
+
+    def _stop_sequence(self, seq_id: int) -> None:
+        self._pending_stops.append(seq_id)
+
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while True:
+                self._handle(await self._read_message(reader))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        except Exception:                     # a codec or processing bug: treat the engine as lost
+            logger.exception("engine connection failed")
+        finally:
+            self._engine_gone()
+
+    def _handle(self, message) -> None:
+        if isinstance(message, codec.StepOutputs):
+            self._on_step(message)
+        elif isinstance(message, codec.EngineStats):
+            self.stats = message.stats
+            self.metrics.update_engine(message.stats)
+        elif isinstance(message, codec.RequestError):
+            tracked = self.requests.pop(message.request_id, None)
+            self.processor.abort_request(message.request_id)
+            if tracked is not None:
+                err = KVServeError(message.error["error"]["message"], param=message.error["error"].get("param"),
+                                   code=message.error["error"].get("code"))
+                err.http_status = message.status
+                err.error_type = message.error["error"].get("type", err.error_type)
+                tracked.sink.put_nowait((tracked.tag, err))
+
+    def _on_step(self, message: codec.StepOutputs) -> None:
+        now = time.monotonic()
+        self.stats = message.stats
+        self.metrics.update_engine(message.stats)
+        for request_id in message.started:
+            self._mark_started(self.requests.get(request_id), now)
+        finished, deltas = self.processor.process_deltas(message.updates)
+        for delta in deltas:
+            tracked = self.requests.get(delta.request_id)
+            if tracked is not None:
+                self._record_tokens(tracked, delta.index, len(delta.token_ids), now)
+                tracked.sink.put_nowait((tracked.tag, delta))
+        for output in finished:
+            tracked = self.requests.pop(output.request_id, None)
+            if tracked is not None:
+                self.metrics.e2e.observe(now - tracked.arrival)
+                for completion in output.outputs:
+                    self.metrics.finished.inc(finish_reason=completion.finish_reason or "unknown")
+                tracked.sink.put_nowait((tracked.tag, output))
+        if self._pending_stops:
+            stops, self._pending_stops = self._pending_stops, []
+            self._send(codec.StopSequences(stops))
+
+    def _mark_started(self, tracked: TrackedRequest | None, now: float) -> None:
+        if tracked is not None and not tracked.started:
+            tracked.started = True
+            self.metrics.queue.observe(now - tracked.arrival)
+
+    def _record_tokens(self, tracked: TrackedRequest, index: int, count: int, now: float) -> None:
+        if count == 0:
+            return
+        self._mark_started(tracked, now)
+        self.last_token_time = now
+        tracked.num_generated += count
+        self.metrics.generation_tokens.inc(count)
+        if tracked.first_token_time is None:
+            tracked.first_token_time = now
+            self.metrics.ttft.observe(now - tracked.arrival)
+        previous = tracked.last_token_time.get(index)
+        if previous is not None:
+            gap = (now - previous) / count
+            for _ in range(count):
+                self.metrics.itl.observe(gap)
+        tracked.last_token_time[index] = now
+
+    def _engine_gone(self) -> None:
+        if self._closing:
+            return
+        self.dead = True
+        code = self.process.poll() if self.process is not None else None
+        logger.error("the engine process exited unexpectedly (exit code %s); failing %d requests",
+                     code, len(self.requests))
+        requests, self.requests = self.requests, {}
+        for tracked in requests.values():
+            self.processor.abort_request(tracked.request_id)
+            tracked.sink.put_nowait((tracked.tag, ServiceUnavailableError(
+                "the engine process exited unexpectedly", code="engine_unavailable")))
+        if self.on_dead is not None:
+            self.on_dead()

@@ -1,0 +1,227 @@
+"""The engine-core process: owns the model, the scheduler and the KV cache.
+
+Started by the HTTP process as ``python -m kvserve.server.engine_proc --fd N`` with
+one end of a socket pair; everything on it goes through :mod:`kvserve.server.codec`.
+It never sees HTTP, JSON or text.
+
+Loop (one iteration per engine step)::
+
+    read every message already waiting (block only while there is no work)
+      -> add / abort / stop sequences / shutdown
+    step the engine if it has work -> send StepOutputs (updates + stats)
+    idle: check block-pool integrity, send EngineStats
+
+An abort therefore takes effect before the next step: its blocks are free within
+one engine step. EOF on the socket (the HTTP process is gone) ends the process.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import select
+import socket
+import sys
+
+from kvserve.server import codec
+
+logger = logging.getLogger("kvserve.engine_proc")
+IDLE_POLL_S = 0.5
+
+
+class EngineLoop:
+    """Applies messages to an EngineCore and steps it while it has work."""
+
+    def __init__(self, engine, sock: socket.socket):
+        self.engine = engine
+        self.sock = sock
+        self.frames = codec.FrameBuffer()
+        self.running = True
+        self.waiting_ids: set[str] = set()        # added, not yet scheduled (queue time running)
+        self.tenants: dict[str, str | None] = {}  # request id -> tenant
+        self.num_aborted = 0
+        self.integrity_ok = True
+        self._dirty = False                       # sequences ended outside a step: prune tenants
+
+    # ----------------------------------------------------------------- I/O
+    def send(self, message) -> None:
+        self.sock.sendall(codec.encode(message))
+
+    def receive(self, block: bool) -> list:
+        """Messages already waiting on the socket; wait up to IDLE_POLL_S only if ``block``."""
+        messages = []
+        timeout = IDLE_POLL_S if block else 0.0
+        while True:
+            ready, _, _ = select.select([self.sock], [], [], timeout)
+            if not ready:
+                return messages
+            data = self.sock.recv(1 << 20)
+            if not data:
+                raise EOFError("the HTTP process closed the engine socket")
+            messages.extend(self.frames.feed(data))
+            timeout = 0.0
+
+    # ------------------------------------------------------------- messages
+    def handle(self, message) -> None:
+        if isinstance(message, codec.AddRequest):
+            self._add(message)
+        elif isinstance(message, codec.AbortRequests):
+            for request_id in message.request_ids:
+                self._forget(request_id)
+                if self.engine.abort_request(request_id):
+                    self.num_aborted += 1
+        elif isinstance(message, codec.StopSequences):
+            for seq_id in message.seq_ids:
+                self.engine.stop_sequence(seq_id)
+            self._dirty = True
+        elif isinstance(message, codec.Shutdown):
+            self.running = False
+        else:
+            logger.warning("ignoring unexpected message %s", type(message).__name__)
+
+    def _add(self, message: codec.AddRequest) -> None:
+        from kvserve.errors import KVServeError
+        eos = frozenset(message.eos_token_ids) if message.eos_token_ids is not None else None
+        try:
+            # The tenant namespaces the prefix cache: tenants never share KV blocks.
+            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, eos,
+                                    message.priority, cache_salt=message.tenant)
+        except KVServeError as err:
+            self.send(codec.RequestError(message.request_id, err.http_status, err.to_dict()))
+            return
+        self.waiting_ids.add(message.request_id)
+        self.tenants[message.request_id] = message.tenant
+
+    def _forget(self, request_id: str) -> None:
+        self.waiting_ids.discard(request_id)
+        self.tenants.pop(request_id, None)
+
+    # ----------------------------------------------------------------- step
+    def step(self) -> None:
+        updates = self.engine.step()
+        started = self._newly_started()
+        if self._dirty or any(u.finish_reason is not None for u in updates):
+            self._prune()
+        self.send(codec.StepOutputs(updates, started, self.stats()))
+
+    def _prune(self) -> None:
+        """Forget requests the scheduler no longer holds (finished, stopped or aborted)."""
+        for request_id in [r for r in self.tenants if not self._request_live(r)]:
+            self._forget(request_id)
+        self._dirty = False
+
+    def _newly_started(self) -> list[str]:
+        """Requests scheduled for the first time in the last step (queue time over)."""
+        if not self.waiting_ids:
+            return []
+        started = [rid for rid in self.waiting_ids if not self._request_waiting(rid)]
+        self.waiting_ids.difference_update(started)
+        return started
+
+    def _request_seqs(self, request_id: str) -> list | None:
+        """The scheduler's sequences of a request, or None if the scheduler cannot say.
+
+        A read-only peek at ``Scheduler._by_request`` (the engine has no public per-request
+        query yet); without it, queue time ends at the first token instead."""
+        by_request = getattr(self.engine.scheduler, "_by_request", None)
+        return None if by_request is None else by_request.get(request_id, [])
+
+    def _request_waiting(self, request_id: str) -> bool:
+        from kvserve.engine.sequence import SeqStatus
+        seqs = self._request_seqs(request_id)
+        if seqs is None:
+            return True
+        return bool(seqs) and all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in seqs)
+
+    def _request_live(self, request_id: str) -> bool:
+        seqs = self._request_seqs(request_id)
+        return True if seqs is None else bool(seqs)
+
+    def stats(self) -> dict:
+        stats = dict(self.engine.stats())
+        stats.update(num_requests=len(self.tenants), num_aborted=self.num_aborted,
+                     integrity_ok=self.integrity_ok)
+        return stats
+
+    def check_idle_integrity(self) -> None:
+        try:
+            self.engine.check_integrity()
+        except AssertionError as exc:      # an invariant broke: report it, keep serving
+            logger.error("block pool integrity check failed: %s", exc)
+            self.integrity_ok = False
+
+    # ----------------------------------------------------------------- loop
+    def run(self) -> None:
+        while self.running:
+            busy = self.engine.has_unfinished()
+            messages = self.receive(block=not busy)
+            for message in messages:
+                self.handle(message)
+            if not self.running:
+                break
+            if self.engine.has_unfinished():
+                self.step()
+            elif busy or messages:            # just went idle, or aborts/stops landed
+                self.tenants.clear()              # nothing unfinished: every request has ended
+                self.waiting_ids.clear()
+                self.check_idle_integrity()
+                self.send(codec.EngineStats(self.stats()))
+
+
+def _read_init(sock: socket.socket) -> codec.InitEngine:
+    frames = codec.FrameBuffer()
+    while True:
+        data = sock.recv(1 << 16)
+        if not data:
+            raise EOFError("no InitEngine message")
+        messages = frames.feed(data)
+        if messages:
+            if not isinstance(messages[0], codec.InitEngine):
+                raise codec.CodecError("the first message must be InitEngine")
+            return messages[0]
+
+
+def build_engine(engine_config: dict):
+    """An EngineCore from EngineConfig fields."""
+    from kvserve.engine.engine_core import EngineConfig, EngineCore
+    from kvserve.loader import load_checkpoint, resolve_model_path
+    config = EngineConfig(**{**engine_config, "model": resolve_model_path(engine_config.get("model"))})
+    return EngineCore(config, load_checkpoint(config.model))
+
+
+def serve(sock: socket.socket) -> int:
+    """Load the engine named by the first message, report it, then run the loop."""
+    init = _read_init(sock)
+    cpus = init.engine_config.pop("cpus", None)
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    engine = build_engine(init.engine_config)
+    loop = EngineLoop(engine, sock)
+    loop.send(codec.EngineReady(
+        max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
+        num_blocks=engine.block_pool.num_blocks, block_size=engine.config.block_size,
+        kv_max_tokens=engine.kv_plan.max_tokens, eos_token_ids=sorted(engine.model_config.eos_token_ids),
+        kv_explanation=engine.kv_plan.explanation, pid=os.getpid()))
+    try:
+        loop.run()
+    except (EOFError, BrokenPipeError, ConnectionResetError):
+        logger.info("HTTP process gone; engine exiting")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="kvserve engine-core process (started by kvserve serve)")
+    parser.add_argument("--fd", type=int, required=True, help="inherited socket file descriptor")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("KVSERVE_LOG_LEVEL", "INFO"),
+                        format="%(levelname)s engine: %(message)s", stream=sys.stderr)
+    sock = socket.socket(fileno=args.fd)
+    sock.setblocking(True)
+    try:
+        return serve(sock)
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

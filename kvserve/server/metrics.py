@@ -1,0 +1,153 @@
+"""Prometheus metrics for the server, rendered in the text exposition format.
+
+A small self-contained implementation (counters, gauges, fixed-bucket histograms,
+optional labels) owned by one ServerMetrics object per server: no global registry.
+"""
+from __future__ import annotations
+
+import math
+from bisect import bisect_left
+
+LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
+                     0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+
+
+def _labels(labels: dict[str, str]) -> str:
+    if not labels:
+        return ""
+    inner = ",".join(f'{k}="{_escape(str(v))}"' for k, v in sorted(labels.items()))
+    return "{" + inner + "}"
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _number(value: float) -> str:
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class Counter:
+    """A monotonically increasing count, per label set."""
+
+    kind = "counter"
+
+    def __init__(self, name: str, help_text: str):
+        self.name, self.help = name, help_text
+        self.values: dict[tuple, float] = {}
+
+    def inc(self, amount: float = 1, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        self.values[key] = self.values.get(key, 0) + amount
+
+    def set_total(self, total: float, **labels: str) -> None:
+        """Mirror a counter kept elsewhere (the engine's)."""
+        self.values[tuple(sorted(labels.items()))] = total
+
+    def render(self) -> list[str]:
+        values = self.values or {(): 0}
+        return [f"{self.name}{_labels(dict(k))} {_number(v)}" for k, v in values.items()]
+
+
+class Gauge(Counter):
+    """A value that goes up and down."""
+
+    kind = "gauge"
+
+    def set(self, value: float, **labels: str) -> None:
+        self.values[tuple(sorted(labels.items()))] = value
+
+
+class Histogram:
+    """Observations counted in cumulative buckets, with their sum and count."""
+
+    kind = "histogram"
+
+    def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S):
+        self.name, self.help = name, help_text
+        self.buckets = tuple(buckets)
+        self.counts = [0] * (len(self.buckets) + 1)     # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+    def observe(self, value: float) -> None:
+        self.counts[bisect_left(self.buckets, value)] += 1
+        self.sum += value
+        self.count += 1
+
+    def render(self) -> list[str]:
+        lines, cumulative = [], 0
+        for bound, count in zip((*self.buckets, math.inf), self.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{le="{_number(float(bound))}"}} {cumulative}')
+        lines.append(f"{self.name}_sum {_number(self.sum)}")
+        lines.append(f"{self.name}_count {self.count}")
+        return lines
+
+
+class ServerMetrics:
+    """Every metric the server exports; ``render()`` is the /metrics body."""
+
+    def __init__(self):
+        h, g, c = Histogram, Gauge, Counter
+        self.ttft = h("kvserve_time_to_first_token_seconds", "Arrival to first generated token.")
+        self.itl = h("kvserve_inter_token_latency_seconds", "Time between consecutive tokens of a sequence.")
+        self.e2e = h("kvserve_e2e_request_latency_seconds", "Arrival to the last token of a request.")
+        self.queue = h("kvserve_request_queue_time_seconds",
+                       "Arrival to the end of the first engine step that scheduled the request.")
+        self.running = g("kvserve_num_requests_running", "Sequences the engine is running.")
+        self.waiting = g("kvserve_num_requests_waiting", "Sequences waiting in the engine's queue.")
+        self.in_flight = g("kvserve_num_requests_in_flight", "HTTP requests admitted and not finished.")
+        self.queued = g("kvserve_num_requests_queued", "Admitted requests not yet scheduled by the engine.")
+        self.kv_used = g("kvserve_kv_blocks_used", "KV cache blocks in use.")
+        self.kv_total = g("kvserve_kv_blocks_total", "KV cache blocks in the pool.")
+        self.kv_cached = g("kvserve_kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable).")
+        self.prefix_hit_rate = g("kvserve_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / "
+                                 "prompt tokens looked up, since start.")
+        self.prefix_hit_tokens = c("kvserve_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.")
+        self.ready = g("kvserve_ready", "1 when /ready answers 200.")
+        self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
+        self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
+        self.engine_steps = c("kvserve_engine_steps_total", "Engine steps run.")
+        self.prompt_tokens = c("kvserve_prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
+        self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
+        self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
+        self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
+                     self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
+                     self.prefix_hit_tokens, self.ready, self.integrity, self.preemptions,
+                     self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
+                     self.rejected]
+
+    def update_engine(self, stats: dict) -> None:
+        """Mirror the engine's gauges and counters (EngineCore.stats)."""
+        self.running.set(stats.get("num_running_seqs", 0))
+        self.waiting.set(stats.get("num_waiting_seqs", 0))
+        self.kv_used.set(stats.get("kv_blocks_used", 0))
+        self.kv_total.set(stats.get("kv_blocks_total", 0))
+        self.kv_cached.set(stats.get("kv_blocks_cached", 0))
+        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
+        self.prefix_hit_tokens.set_total(stats.get("prefix_cache_hit_tokens", 0))
+        self.preemptions.set_total(stats.get("num_preemptions", 0))
+        self.engine_steps.set_total(stats.get("num_steps", 0))
+        self.integrity.set(1 if stats.get("integrity_ok", True) else 0)
+
+    def render(self) -> str:
+        lines = []
+        for metric in self._all:
+            lines.append(f"# HELP {metric.name} {metric.help}")
+            lines.append(f"# TYPE {metric.name} {metric.kind}")
+            lines.extend(metric.render())
+        return "\n".join(lines) + "\n"
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Sample name (with labels) -> value, from a /metrics body (for tests and the bench)."""
+    samples = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            samples[name] = float(value)
+    return samples

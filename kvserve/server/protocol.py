@@ -1,0 +1,387 @@
+"""OpenAI request bodies -> validated GenerateSpecs (no tokenizer, no engine).
+
+Every field the API accepts is listed in a table below with its checker: a field
+is either honoured (mapped onto SamplingParams or the response format) or
+rejected with a 400 naming it. Unknown fields are rejected too, so nothing is
+silently ignored. Values are checked for type and range here (bools are not
+numbers, NaN and infinities are refused, integers must fit in 64 bits);
+SamplingParams.validate then applies the sampling rules.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from kvserve.errors import InvalidRequestError
+from kvserve.sampling.params import MAX_LOGPROBS, SamplingParams
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+MAX_PROMPTS = 32            # prompts in one completions request
+MAX_CHOICES = 64            # prompts x n
+MAX_USER_CHARS = 256
+MAX_DEADLINE_S = 3600.0
+MAX_PRIORITY = 1_000_000
+MAX_LOGIT_BIAS = 0          # logit_bias is not supported: only an empty map is accepted
+MAX_JSON_DEPTH = 64
+
+
+@dataclass
+class Prompt:
+    """One prompt: text (None when given as token ids) or token ids (None when text)."""
+
+    text: str | None = None
+    token_ids: list[int] | None = None
+
+
+@dataclass
+class GenerateSpec:
+    """A validated completions or chat request, before tokenisation."""
+
+    kind: str                                   # "completion" | "chat"
+    model: str | None
+    params: SamplingParams
+    prompts: list[Prompt] = field(default_factory=list)     # completions
+    messages: list[dict] | None = None                       # chat
+    max_tokens_param: str = "max_tokens"        # the field that set params.max_tokens
+    stream: bool = False
+    include_usage: bool = False
+    echo: bool = False
+    logprobs: int | None = None                 # completions: top-k; chat: top_logprobs when logprobs
+    user: str | None = None
+    deadline_s: float | None = None
+    priority: int = 0
+
+
+# ------------------------------------------------------------------ JSON body
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of ``value``; stops counting past ``limit``."""
+    stack, deepest = [(value, 1)], 0
+    while stack:
+        item, depth = stack.pop()
+        deepest = max(deepest, depth)
+        if depth > limit:
+            return depth
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return deepest
+
+
+def parse_json_body(body: bytes) -> dict:
+    """Decode a request body: UTF-8, strict JSON (no NaN/Infinity), an object, bounded depth."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidRequestError(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}",
+                                  code="invalid_encoding") from exc
+    try:
+        value = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError as exc:
+        raise InvalidRequestError("the JSON body is nested too deeply", code="invalid_json") from exc
+    except ValueError as exc:
+        raise InvalidRequestError(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
+    if not isinstance(value, dict):
+        raise InvalidRequestError("the JSON body must be an object", code="invalid_json")
+    if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+        raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json")
+    return value
+
+
+# -------------------------------------------------------------------- checkers
+def _bad(param: str, message: str) -> InvalidRequestError:
+    return InvalidRequestError(message, param=param)
+
+
+def _int(lo: int = INT64_MIN, hi: int = INT64_MAX, nullable: bool = True) -> Callable:
+    def check(name: str, value: Any) -> Any:
+        if value is None and nullable:
+            return None
+        if isinstance(value, float) and value.is_integer() and lo <= value <= hi:
+            value = int(value)
+        if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
+            raise _bad(name, f"{name} must be an integer in [{lo}, {hi}], got {_show(value)}")
+        return value
+    return check
+
+
+def _number(lo: float = -math.inf, hi: float = math.inf, open_lo: bool = False) -> Callable:
+    def check(name: str, value: Any) -> Any:
+        if value is None:
+            return None
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if ok:
+            ok = math.isfinite(value) and (value > lo if open_lo else value >= lo) and value <= hi
+        if not ok:
+            bracket = "(" if open_lo else "["
+            raise _bad(name, f"{name} must be a number in {bracket}{lo:g}, {hi:g}], got {_show(value)}")
+        return float(value) if isinstance(value, float) else value
+    return check
+
+
+def _bool(name: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, bool):
+        raise _bad(name, f"{name} must be a boolean, got {_show(value)}")
+    return value
+
+
+def _string(max_chars: int) -> Callable:
+    def check(name: str, value: Any) -> Any:
+        if value is not None and (not isinstance(value, str) or len(value) > max_chars):
+            raise _bad(name, f"{name} must be a string of at most {max_chars} characters")
+        return value
+    return check
+
+
+def _stop(name: str, value: Any) -> Any:
+    if value is None or isinstance(value, str):
+        return None if value is None or value == "" else [value]
+    if isinstance(value, list) and all(isinstance(s, str) for s in value):
+        return value
+    raise _bad(name, "stop must be a string, a list of strings or null")
+
+
+def _token_list(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
+                                              and 0 <= t <= INT64_MAX for t in value):
+        raise _bad(name, f"{name} must be a list of non-negative integers")
+    return value
+
+
+def _only_null(what: str) -> Callable:
+    def check(name: str, value: Any) -> Any:
+        if value is not None:
+            raise _bad(name, f"{name} is not supported by this server ({what})")
+        return None
+    return check
+
+
+def _logit_bias(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise _bad(name, "logit_bias must be an object mapping token ids to biases")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise _bad(name, f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries on this server "
+                         f"(got {len(value)}): biasing logits is not supported")
+    return None
+
+
+def _stream_options(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if not isinstance(value, dict) or set(value) - {"include_usage"}:
+        raise _bad(name, "stream_options must be an object with the only key include_usage")
+    return {"include_usage": _bool("stream_options.include_usage", value.get("include_usage"))}
+
+
+def _response_format(name: str, value: Any) -> Any:
+    if value is None or value == {"type": "text"}:
+        return None
+    raise _bad(name, 'response_format: only {"type": "text"} is supported')
+
+
+def _tools(name: str, value: Any) -> Any:
+    if value is None or value == []:
+        return None
+    raise _bad(name, f"{name}: tool calling is not supported")
+
+
+def _tool_choice(name: str, value: Any) -> Any:
+    if value is None or value == "none":
+        return None
+    raise _bad(name, "tool_choice: only \"none\" is supported (tool calling is not supported)")
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+COMMON_FIELDS: dict[str, Callable] = {
+    "model": _string(256),
+    "max_tokens": _int(1, INT64_MAX),
+    "temperature": _number(0.0, 2.0),
+    "top_p": _number(0.0, 1.0, open_lo=True),
+    "top_k": _int(-1, INT64_MAX),
+    "min_p": _number(0.0, 1.0),
+    "n": _int(1, INT64_MAX),
+    "presence_penalty": _number(-2.0, 2.0),
+    "frequency_penalty": _number(-2.0, 2.0),
+    "repetition_penalty": _number(0.0, 100.0, open_lo=True),
+    "seed": _int(),
+    "stop": _stop,
+    "stop_token_ids": _token_list,
+    "min_tokens": _int(0, INT64_MAX),
+    "ignore_eos": _bool,
+    "skip_special_tokens": _bool,
+    "include_stop_str_in_output": _bool,
+    "stream": _bool,
+    "stream_options": _stream_options,
+    "user": _string(MAX_USER_CHARS),
+    "logit_bias": _logit_bias,
+    "deadline_s": _number(0.0, MAX_DEADLINE_S, open_lo=True),
+    "priority": _int(-MAX_PRIORITY, MAX_PRIORITY),
+    "service_tier": _only_null("service tiers"),
+    "metadata": _only_null("metadata storage"),
+    "store": _only_null("storing completions"),
+}
+COMPLETION_FIELDS: dict[str, Callable] = {
+    **COMMON_FIELDS,
+    "prompt": lambda name, value: value,          # checked by _completion_prompts
+    "echo": _bool,
+    "logprobs": _int(0, MAX_LOGPROBS),
+    "best_of": _int(1, INT64_MAX),
+    "suffix": _only_null("suffix/insertion"),
+}
+CHAT_FIELDS: dict[str, Callable] = {
+    **COMMON_FIELDS,
+    "messages": lambda name, value: value,        # checked by the chat template renderer
+    "max_completion_tokens": _int(1, INT64_MAX),
+    "logprobs": _bool,
+    "top_logprobs": _int(0, MAX_LOGPROBS),
+    "response_format": _response_format,
+    "tools": _tools,
+    "functions": _tools,
+    "tool_choice": _tool_choice,
+    "function_call": _tool_choice,
+    "parallel_tool_calls": _only_null("tool calling"),
+    "modalities": _only_null("output modalities"),
+    "audio": _only_null("audio output"),
+    "prediction": _only_null("predicted outputs"),
+    "reasoning_effort": _only_null("reasoning effort"),
+    "web_search_options": _only_null("web search"),
+}
+SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
+                   "skip_special_tokens", "include_stop_str_in_output")
+
+
+def check_fields(body: dict, table: dict[str, Callable]) -> dict:
+    """Every known field checked and normalised; unknown fields rejected by name."""
+    unknown = sorted(set(body) - set(table))
+    if unknown:
+        raise InvalidRequestError(f"unknown or unsupported field {unknown[0]!r}", param=unknown[0],
+                                  code="unknown_parameter")
+    return {name: table[name](name, value) for name, value in body.items()}
+
+
+def _sampling_params(values: dict, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    kwargs = {name: values[name] for name in SAMPLING_FIELDS if values.get(name) is not None}
+    params = SamplingParams(max_tokens=max_tokens, logprobs=logprobs, **kwargs)
+    params.validate()
+    return params
+
+
+def _stream_flags(values: dict) -> tuple[bool, bool]:
+    stream = bool(values.get("stream"))
+    options = values.get("stream_options")
+    if options is not None and not stream:
+        raise _bad("stream_options", "stream_options is only allowed when stream is true")
+    return stream, bool(options and options.get("include_usage"))
+
+
+# ------------------------------------------------------------------ requests
+def _completion_prompts(value: Any) -> list[Prompt]:
+    """prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
+    def is_ids(item: Any) -> bool:
+        return isinstance(item, list) and bool(item) and all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in item)
+
+    if isinstance(value, str):
+        prompts = [Prompt(text=value)]
+    elif is_ids(value):
+        prompts = [Prompt(token_ids=list(value))]
+    elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
+        prompts = [Prompt(text=p) for p in value]
+    elif isinstance(value, list) and value and all(is_ids(p) for p in value):
+        prompts = [Prompt(token_ids=list(p)) for p in value]
+    else:
+        raise _bad("prompt", "prompt must be a string, a non-empty list of strings, a non-empty list of "
+                             "token ids or a list of such lists")
+    if len(prompts) > MAX_PROMPTS:
+        raise _bad("prompt", f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}")
+    return prompts
+
+
+def _check_choices(num_prompts: int, n: int) -> None:
+    if num_prompts * n > MAX_CHOICES:
+        raise _bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {num_prompts} x {n}")
+
+
+def parse_completion(body: dict) -> GenerateSpec:
+    """A /v1/completions body -> GenerateSpec (InvalidRequestError naming the bad field)."""
+    values = check_fields(body, COMPLETION_FIELDS)
+    if "prompt" not in values:
+        raise _bad("prompt", "prompt is required")
+    prompts = _completion_prompts(values["prompt"])
+    n = values.get("n") or 1
+    best_of = values.get("best_of")
+    if best_of is not None and best_of != n:
+        raise _bad("best_of", "best_of must equal n (server-side best-of selection is not supported)")
+    if values.get("echo") and values.get("logprobs") is not None:
+        raise _bad("echo", "echo with logprobs needs prompt logprobs, which are not supported")
+    max_tokens = values.get("max_tokens") or 16           # OpenAI's default for completions
+    params = _sampling_params(values, max_tokens, values.get("logprobs"))
+    _check_choices(len(prompts), params.n)
+    stream, include_usage = _stream_flags(values)
+    return GenerateSpec(kind="completion", model=values.get("model"), params=params, prompts=prompts,
+                        stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
+                        logprobs=values.get("logprobs"), user=values.get("user"),
+                        deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0)
+
+
+def _chat_max_tokens(values: dict) -> tuple[int | None, str]:
+    max_tokens, max_completion = values.get("max_tokens"), values.get("max_completion_tokens")
+    if max_tokens is not None and max_completion is not None and max_tokens != max_completion:
+        raise _bad("max_completion_tokens", "max_tokens and max_completion_tokens disagree; send one")
+    if max_completion is not None:
+        return max_completion, "max_completion_tokens"
+    return max_tokens, "max_tokens"
+
+
+def parse_chat(body: dict) -> GenerateSpec:
+    """A /v1/chat/completions body -> GenerateSpec (messages are checked when rendered)."""
+    values = check_fields(body, CHAT_FIELDS)
+    messages = values.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("messages", "messages must be a non-empty list of message objects")
+    top_logprobs = values.get("top_logprobs")
+    if top_logprobs is not None and not values.get("logprobs"):
+        raise _bad("top_logprobs", "top_logprobs requires logprobs to be true")
+    logprobs = (top_logprobs or 0) if values.get("logprobs") else None
+    max_tokens, max_param = _chat_max_tokens(values)
+    params = _sampling_params(values, max_tokens, logprobs)
+    _check_choices(1, params.n)
+    stream, include_usage = _stream_flags(values)
+    return GenerateSpec(kind="chat", model=values.get("model"), params=params, messages=messages,
+                        max_tokens_param=max_param, stream=stream, include_usage=include_usage,
+                        logprobs=logprobs, user=values.get("user"), deadline_s=values.get("deadline_s"),
+                        priority=values.get("priority") or 0)
+
+
+def parse_tokenize(body: dict) -> dict:
+    """/tokenize: {"prompt": str} or {"messages": [...]}, optional model, add_special_tokens,
+    add_generation_prompt."""
+    table = {"model": _string(256), "prompt": _string(2**24), "messages": lambda n, v: v,
+             "add_special_tokens": _bool, "add_generation_prompt": _bool}
+    values = check_fields(body, table)
+    if (values.get("prompt") is None) == (values.get("messages") is None):
+        raise _bad("prompt", "send exactly one of prompt or messages")
+    return values
+
+
+def parse_detokenize(body: dict) -> dict:
+    """/detokenize: {"tokens": [ids]} with an optional model."""
+    values = check_fields(body, {"model": _string(256), "tokens": _token_list})
+    if values.get("tokens") is None:
+        raise _bad("tokens", "tokens is required")
+    return values

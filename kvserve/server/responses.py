@@ -1,0 +1,174 @@
+"""OpenAI response bodies: completions and chat, whole or as stream chunks; logprobs; usage.
+
+Pure functions of outputs and deltas; the tokenizer is used only to spell tokens.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from functools import lru_cache
+
+from kvserve.outputs import CompletionOutput
+
+NEG_INF_LOGPROB = -9999.0      # JSON has no -Infinity: a token with no mass reports this
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event."""
+    data = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False,
+                                                                separators=(",", ":"))
+    return f"data: {data}\n\n".encode("utf-8")
+
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI ``usage``; ``cached_tokens``: prompt tokens the prefix cache served."""
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def _finite(lp: float) -> float:
+    return lp if math.isfinite(lp) else NEG_INF_LOGPROB
+
+
+@lru_cache(maxsize=1)
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2 byte-level BPE: vocabulary character -> byte."""
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
+    chars, extra = list(printable), 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + extra)
+            extra += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
+
+
+class TokenSpeller:
+    """Token id -> its text and raw bytes, as logprobs report them."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self._cache: dict[int, tuple[str, list[int]]] = {}
+
+    def spell(self, token_id: int) -> tuple[str, list[int]]:
+        hit = self._cache.get(token_id)
+        if hit is None:
+            text = self.tokenizer.decode([token_id], skip_special_tokens=False)
+            piece = self.tokenizer.convert_ids_to_tokens([token_id])[0] or ""
+            decoder = _byte_decoder()
+            raw = ([decoder[c] for c in piece] if piece and all(c in decoder for c in piece)
+                   else list(text.encode("utf-8")))
+            hit = self._cache[token_id] = (text, raw)
+            if len(self._cache) > 200_000:
+                self._cache.clear()
+        return hit
+
+
+def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
+    return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
+
+
+def completion_logprobs(speller: TokenSpeller, token_ids: list[int], entries: list[dict[int, float]],
+                        k: int, text_offset: int) -> dict:
+    """The legacy completions ``logprobs`` object for these tokens."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    for token_id, entry in zip(token_ids, entries):
+        text, _ = speller.spell(token_id)
+        tokens.append(text)
+        token_lps.append(_finite(entry[token_id]))
+        tops.append({speller.spell(t)[0]: _finite(lp) for t, lp in _top(entry, k)} if k else None)
+        offsets.append(text_offset)
+        text_offset += len(text)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def chat_logprobs(speller: TokenSpeller, token_ids: list[int], entries: list[dict[int, float]], k: int) -> dict:
+    """The chat ``logprobs`` object (``{"content": [...]}``) for these tokens."""
+    content = []
+    for token_id, entry in zip(token_ids, entries):
+        text, raw = speller.spell(token_id)
+        top = []
+        for t, lp in _top(entry, k):
+            t_text, t_raw = speller.spell(t)
+            top.append({"token": t_text, "logprob": _finite(lp), "bytes": t_raw})
+        content.append({"token": text, "logprob": _finite(entry[token_id]), "bytes": raw, "top_logprobs": top})
+    return {"content": content}
+
+
+class ResponseBuilder:
+    """Builds the bodies of one request: same id, created time and model throughout."""
+
+    def __init__(self, kind: str, request_id: str, model: str, speller: TokenSpeller, logprobs: int | None,
+                 n: int):
+        self.kind, self.id, self.model = kind, request_id, model
+        self.created = int(time.time())
+        self.speller, self.logprobs, self.n = speller, logprobs, n
+        self._text_offsets: dict[int, int] = {}
+
+    def choice_index(self, prompt_index: int, completion_index: int) -> int:
+        return prompt_index * self.n + completion_index
+
+    def _head(self, object_name: str) -> dict:
+        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+
+    # ------------------------------------------------------------ whole bodies
+    def completion_choice(self, index: int, completion: CompletionOutput, prefix: str = "") -> dict:
+        logprobs = None
+        if self.logprobs is not None and completion.logprobs is not None:
+            logprobs = completion_logprobs(self.speller, completion.token_ids, completion.logprobs,
+                                           self.logprobs, len(prefix))
+        return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
+                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def chat_choice(self, index: int, completion: CompletionOutput) -> dict:
+        logprobs = None
+        if self.logprobs is not None and completion.logprobs is not None:
+            logprobs = chat_logprobs(self.speller, completion.token_ids, completion.logprobs, self.logprobs)
+        return {"index": index, "message": {"role": "assistant", "content": completion.text},
+                "logprobs": logprobs, "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason}
+
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        name = "text_completion" if self.kind == "completion" else "chat.completion"
+        body = self._head(name)
+        body["choices"] = sorted(choices, key=lambda c: c["index"])
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return body
+
+    # ------------------------------------------------------------------ chunks
+    def chunk(self, index: int, text: str, token_ids: list[int] | None = None,
+              logprob_entries: list | None = None, finish_reason: str | None = None,
+              stop_reason=None, role: bool = False) -> dict:
+        """One streamed choice update."""
+        logprobs = None
+        if self.logprobs is not None and logprob_entries is not None and token_ids:
+            if self.kind == "completion":
+                offset = self._text_offsets.get(index, 0)
+                logprobs = completion_logprobs(self.speller, token_ids, logprob_entries, self.logprobs, offset)
+            else:
+                logprobs = chat_logprobs(self.speller, token_ids, logprob_entries, self.logprobs)
+        self._text_offsets[index] = self._text_offsets.get(index, 0) + len(text)
+        if self.kind == "completion":
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = self._head("text_completion")
+        else:
+            delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+            body = self._head("chat.completion.chunk")
+        if finish_reason is not None:
+            choice["stop_reason"] = stop_reason
+        body["choices"] = [choice]
+        return body
+
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+        name = "text_completion" if self.kind == "completion" else "chat.completion.chunk"
+        body = self._head(name)
+        body["choices"] = []
+        body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        return body

@@ -1,0 +1,252 @@
+"""One generation request from validated spec to response: tokenise, check the context,
+admit, submit to the engine, then collect (whole body) or stream (SSE).
+
+Every engine request of an HTTP request puts its events on one sink queue. Control
+events come through the same queue: the client disconnected, the deadline passed,
+or the server is draining. So the consumer only ever waits on ``sink.get()``::
+
+    engine client ──(prompt index, delta / output / error)──┐
+    disconnect watcher ──(CONTROL, "disconnect")────────────┼──▶ sink ──▶ collect() / stream()
+    deadline timer / drain ──(CONTROL, "deadline"/"drain")──┘
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+import time
+import uuid
+from dataclasses import dataclass
+from typing import AsyncIterator
+
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
+from kvserve.output_processor import CompletionDelta
+from kvserve.outputs import RequestOutput
+from kvserve.server.errors import DeadlineExceededError
+from kvserve.server.protocol import GenerateSpec
+from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
+
+CONTROL = -1
+logger = logging.getLogger("kvserve.server")
+_ids = itertools.count()
+
+
+@dataclass
+class PreparedPrompt:
+    text: str | None
+    token_ids: list[int]
+
+
+# ------------------------------------------------------------------ prompts
+def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]:
+    """Token ids of every prompt, each checked against the context and the KV cache."""
+    if spec.kind == "chat":
+        text = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
+        prompts = [PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))]
+        param = "messages"
+    else:
+        prompts = []
+        for p in spec.prompts:
+            if p.token_ids is not None:
+                bad = [t for t in p.token_ids if t >= info.vocab_size]
+                if bad:
+                    raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
+                                              f"[0, {info.vocab_size})", param="prompt")
+                prompts.append(PreparedPrompt(None, list(p.token_ids)))
+            else:
+                prompts.append(PreparedPrompt(p.text, tokenizer.encode(p.text)))
+        param = "prompt"
+    for prompt in prompts:
+        check_context(prompt.token_ids, spec, info, param)
+    return prompts
+
+
+def check_context(token_ids: list[int], spec: GenerateSpec, info, param: str) -> None:
+    """The engine's admission rule (EngineCore.validate_request), checked before any header is
+    sent: never a silent clamp."""
+    num, limit, max_tokens = len(token_ids), info.max_model_len, spec.params.max_tokens
+    if num == 0:
+        raise InvalidRequestError("the prompt is empty", param=param)
+    if num >= limit:
+        raise ContextLengthExceededError(
+            f"the prompt has {num} tokens; this model's context is {limit} tokens and at least one "
+            f"must be left to generate", param=param)
+    if max_tokens is not None and num + max_tokens > limit:
+        raise ContextLengthExceededError(
+            f"prompt ({num} tokens) + {spec.max_tokens_param} ({max_tokens}) = {num + max_tokens} exceeds "
+            f"the context of {limit} tokens", param=spec.max_tokens_param)
+    needed = min(math.ceil(limit / info.block_size), math.ceil((num + (max_tokens or 0)) / info.block_size))
+    if needed > info.num_blocks:
+        prompt_fits = math.ceil(num / info.block_size) <= info.num_blocks
+        raise ContextLengthExceededError(
+            f"the KV cache ({info.kv_max_tokens} tokens) cannot hold this request: prompt ({num} tokens) + "
+            f"{spec.max_tokens_param} ({max_tokens or 0})",
+            param=spec.max_tokens_param if prompt_fits and max_tokens else param)
+
+
+# ----------------------------------------------------------------- handler
+class Generation:
+    """The engine requests of one HTTP request and the events that come back."""
+
+    def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None):
+        self.ctx, self.spec, self.prompts, self.tenant = ctx, spec, prompts, tenant
+        prefix = "cmpl" if spec.kind == "completion" else "chatcmpl"
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.sink: asyncio.Queue = asyncio.Queue()
+        self.arrival = time.monotonic()
+        self.engine_ids = [f"{self.id}-{i}-{next(_ids)}" for i in range(len(prompts))]
+        self.outputs: dict[int, RequestOutput] = {}
+        self.builder = ResponseBuilder(spec.kind, self.id, ctx.model_name, ctx.speller, spec.logprobs,
+                                       spec.params.n)
+        self._deadline_handle: asyncio.TimerHandle | None = None
+        self._seen_choice: set[int] = set()
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def submit(self) -> None:
+        """Hand every prompt to the engine and arm the deadline (admission already passed)."""
+        for tag, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
+            self.ctx.client.submit(engine_id, prompt.token_ids, prompt.text, self.spec.params, self.sink, tag,
+                                   self.arrival, tenant=self.tenant, priority=self.spec.priority)
+        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r", self.id, len(self.prompts),
+                     self.num_prompt_tokens, self.spec.user, self.tenant)
+        deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s
+        if deadline_s:
+            loop = asyncio.get_running_loop()
+            self._deadline_handle = loop.call_later(deadline_s, self.control, "deadline")
+        self.ctx.active.add(self)
+
+    def control(self, event: str) -> None:
+        self.sink.put_nowait((CONTROL, event))
+
+    def abort_all(self) -> None:
+        """Abort every engine request still running; keep their partial outputs."""
+        for tag, engine_id in enumerate(self.engine_ids):
+            if tag not in self.outputs:
+                output = self.ctx.client.abort(engine_id)
+                if output is not None:
+                    self.outputs[tag] = output
+
+    def close(self) -> None:
+        self.abort_all()
+        if self._deadline_handle is not None:
+            self._deadline_handle.cancel()
+        self.ctx.active.discard(self)
+
+    def _finished(self) -> bool:
+        return len(self.outputs) == len(self.prompts)
+
+    def _completion_tokens(self) -> int:
+        return sum(len(c.token_ids) for out in self.outputs.values() for c in out.outputs)
+
+    def _cached_tokens(self) -> int:
+        return sum(out.num_cached_tokens for out in self.outputs.values())
+
+    # ------------------------------------------------------------- whole body
+    async def collect(self) -> dict | None:
+        """Wait for every output; the response body, or None if the client went away."""
+        try:
+            while not self._finished():
+                tag, event = await self.sink.get()
+                if tag == CONTROL:
+                    if event == "disconnect":
+                        return None
+                    if event == "deadline":
+                        raise DeadlineExceededError("the request's deadline passed before it finished",
+                                                    param="deadline_s")
+                    self.abort_all()                          # drain timeout: finish_reason abort
+                elif isinstance(event, RequestOutput):
+                    self.outputs[tag] = event
+                elif isinstance(event, KVServeError):
+                    raise event
+            return self._full_body()
+        finally:
+            self.close()
+
+    def _full_body(self) -> dict:
+        choices = []
+        for tag, output in self.outputs.items():
+            prefix = self._echo_prefix(tag)
+            for completion in output.outputs:
+                index = self.builder.choice_index(tag, completion.index)
+                if self.spec.kind == "completion":
+                    choices.append(self.builder.completion_choice(index, completion, prefix))
+                else:
+                    choices.append(self.builder.chat_choice(index, completion))
+        return self.builder.full(choices, self.num_prompt_tokens, self._completion_tokens(), self._cached_tokens())
+
+    def _echo_prefix(self, tag: int) -> str:
+        if not self.spec.echo:
+            return ""
+        prompt = self.prompts[tag]
+        return prompt.text if prompt.text is not None else self.ctx.tokenizer.decode(prompt.token_ids)
+
+    # ----------------------------------------------------------------- stream
+    async def stream(self) -> AsyncIterator[bytes]:
+        """SSE chunks; ends with ``[DONE]`` (after an error event if the request failed)."""
+        try:
+            for chunk in self._echo_chunks():
+                yield chunk
+            while not self._finished():
+                tag, event = await self.sink.get()
+                if tag == CONTROL:
+                    if event == "disconnect":
+                        return
+                    if event == "deadline":
+                        yield sse(DeadlineExceededError("the request's deadline passed before it finished",
+                                                        param="deadline_s").to_dict())
+                        yield SSE_DONE
+                        return
+                    self.abort_all()
+                    for chunk in self._abort_chunks():
+                        yield chunk
+                elif isinstance(event, CompletionDelta):
+                    chunk = self._delta_chunk(tag, event)
+                    if chunk is not None:
+                        yield chunk
+                elif isinstance(event, RequestOutput):
+                    self.outputs[tag] = event
+                elif isinstance(event, KVServeError):
+                    yield sse(event.to_dict())
+                    yield SSE_DONE
+                    return
+            if self.spec.include_usage:
+                yield sse(self.builder.usage_chunk(self.num_prompt_tokens, self._completion_tokens(),
+                                                   self._cached_tokens()))
+            yield SSE_DONE
+        finally:
+            self.close()
+
+    def _echo_chunks(self) -> list[bytes]:
+        if not self.spec.echo:
+            return []
+        chunks = []
+        for tag in range(len(self.prompts)):
+            for i in range(self.spec.params.n):
+                chunks.append(sse(self.builder.chunk(self.builder.choice_index(tag, i), self._echo_prefix(tag))))
+        return chunks
+
+    def _delta_chunk(self, tag: int, delta: CompletionDelta) -> bytes | None:
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            return None
+        index = self.builder.choice_index(tag, delta.index)
+        first = index not in self._seen_choice
+        self._seen_choice.add(index)
+        return sse(self.builder.chunk(index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason,
+                                      delta.stop_reason, role=first and self.spec.kind == "chat"))
+
+    def _abort_chunks(self) -> list[bytes]:
+        """Final chunks (finish_reason ``abort``) of completions ended by a drain."""
+        chunks = []
+        for tag, output in self.outputs.items():
+            for completion in output.outputs:
+                if completion.finish_reason == "abort":
+                    index = self.builder.choice_index(tag, completion.index)
+                    chunks.append(sse(self.builder.chunk(index, "", finish_reason="abort",
+                                                         role=index not in self._seen_choice
+                                                         and self.spec.kind == "chat")))
+        return chunks
+
