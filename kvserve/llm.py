@@ -73,12 +73,15 @@ class LLM:
     # --------------------------------------------------------------- generation
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, *, cache_salt: str | None = None,
-                 adapter_id: str | None = None, use_prefix_cache: bool = True) -> list[RequestOutput]:
+                 adapter_id: str | None = None, use_prefix_cache: bool = True,
+                 prefix_cache_grace_s: float | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         ``cache_salt`` / ``adapter_id`` namespace the prefix cache (requests share cached
         KV only within one namespace); ``use_prefix_cache=False`` opts these requests
-        out. ``RequestOutput.num_cached_tokens`` counts prompt tokens served by the cache.
+        out; ``prefix_cache_grace_s`` keeps their blocks unevictable that long after they
+        finish (a conversation's next turn). ``RequestOutput.num_cached_tokens`` counts
+        prompt tokens served by the cache.
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -95,7 +98,8 @@ class LLM:
             request_id = str(next(self._request_ids))
             self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
                                     priority[i] if priority is not None else 0, cache_salt=cache_salt,
-                                    adapter_id=adapter_id, use_prefix_cache=use_prefix_cache)
+                                    adapter_id=adapter_id, use_prefix_cache=use_prefix_cache,
+                                    prefix_cache_grace_s=prefix_cache_grace_s)
             self.processor.add_request(request_id, text, token_ids, params)
             order.append(request_id)
         results = self._run_to_completion()
@@ -104,7 +108,8 @@ class LLM:
     def chat(self, conversations, sampling_params: SamplingParams | None = None,
              **cache_kwargs) -> list[RequestOutput]:
         """Generate replies to one conversation (a list of messages) or a list of them;
-        ``cache_kwargs`` as in ``generate`` (cache_salt, adapter_id, use_prefix_cache)."""
+        ``cache_kwargs`` as in ``generate`` (cache_salt, adapter_id, use_prefix_cache,
+        prefix_cache_grace_s)."""
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([{"messages": c} for c in conversations], sampling_params, **cache_kwargs)

@@ -71,6 +71,9 @@ class EngineCore:
         from kvserve.sampling.sampler import Sampler
 
         self.config = config
+        if not 0 <= config.prefix_cache_grace_s < math.inf:
+            raise InvalidRequestError("prefix_cache_grace_s must be a finite number >= 0",
+                                      param="prefix_cache_grace_s")
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.device, self.dtype = resolve_device_dtype(config.device, config.dtype)
@@ -108,7 +111,7 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int] | None = None, priority: int = 0, *,
                     cache_salt: str | None = None, adapter_id: str | None = None,
-                    use_prefix_cache: bool = True) -> None:
+                    use_prefix_cache: bool = True, prefix_cache_grace_s: float | None = None) -> None:
         """Validate and queue a request; ``params.n`` sequences share its prompt blocks.
 
         Prefix caching: the request reads and writes KV blocks of the namespace
@@ -116,9 +119,15 @@ class EngineCore:
         derived from the authenticated caller, never copied from a request body, so
         tenants never share blocks; ``adapter_id`` only namespaces the cache today.
         ``use_prefix_cache=False`` opts this request out (no reads, no writes).
+        ``prefix_cache_grace_s`` overrides ``EngineConfig.prefix_cache_grace_s`` for this
+        request: how long its blocks stay unevictable after it finishes (a conversation
+        turn whose next message is expected).
         """
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
+        if prefix_cache_grace_s is not None and not 0 <= prefix_cache_grace_s < math.inf:
+            raise InvalidRequestError("prefix_cache_grace_s must be a finite number >= 0",
+                                      param="prefix_cache_grace_s")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         eos = frozenset(self.model_config.eos_token_ids) if eos_token_ids is None else frozenset(eos_token_ids)
         arrival = next(self._arrivals)
@@ -129,7 +138,7 @@ class EngineCore:
             return Sequence(seq_id=next(self._seq_ids), request_id=request_id, sibling_index=sibling,
                             prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
                             eos_token_ids=eos, priority=priority, arrival_index=arrival,
-                            cache_namespace=namespace)
+                            cache_namespace=namespace, cache_grace_s=prefix_cache_grace_s)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]

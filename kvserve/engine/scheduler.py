@@ -74,9 +74,9 @@ class Scheduler:
         self.block_pool.check_integrity(self.live_block_tables())
         if self.prefix_cache is not None:
             self.prefix_cache.check_integrity(s.cache_handle for s in self._running if s.cache_handle)
-        for seq in self._waiting:
-            if seq[1].block_table or seq[1].cache_handle is not None:
-                raise AssertionError(f"waiting sequence {seq[1].seq_id} holds blocks or a cache lock")
+        for _key, seq in self._waiting:
+            if seq.block_table or seq.cache_handle is not None:
+                raise AssertionError(f"waiting sequence {seq.seq_id} holds blocks or a cache lock")
 
     # ------------------------------------------------------------- admission
     def add_sequence(self, seq: Sequence) -> None:
@@ -138,7 +138,8 @@ class Scheduler:
             seq.num_computed_tokens = len(hit_blocks) * pool.block_size
             num_new = min(seq.num_tokens_to_compute, budget)
             needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(hit_blocks)
-            if not self._evict_for(needed):
+            # Nothing running: grace-protected blocks would never free themselves in time.
+            if not self._evict_for(needed, include_protected=not self._running):
                 seq.num_computed_tokens = 0
                 if handle is not None:
                     self.prefix_cache.unlock(handle)
@@ -168,12 +169,13 @@ class Scheduler:
         self.prefix_cache.lock(handle)
         return handle
 
-    def _evict_for(self, num_blocks: int) -> bool:
-        """Make ``num_blocks`` blocks free, evicting unlocked cached blocks if needed.
-        False if even that cannot (the caller preempts or waits)."""
+    def _evict_for(self, num_blocks: int, include_protected: bool = False) -> bool:
+        """Make ``num_blocks`` blocks free, evicting unlocked cached blocks if needed
+        (those within their grace time only if ``include_protected``). False if even
+        that cannot (the caller preempts or waits)."""
         pool = self.block_pool
         while num_blocks > pool.num_free_blocks and self.prefix_cache is not None:
-            if not self.prefix_cache.evict(num_blocks - pool.num_free_blocks):
+            if not self.prefix_cache.evict(num_blocks - pool.num_free_blocks, include_protected):
                 break
         return num_blocks <= pool.num_free_blocks
 
@@ -325,7 +327,8 @@ class Scheduler:
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
-        self._release_cache_handle(seq, self.config.prefix_cache_grace_s)
+        grace_s = seq.cache_grace_s if seq.cache_grace_s is not None else self.config.prefix_cache_grace_s
+        self._release_cache_handle(seq, 0.0 if reason is FinishReason.ABORT else grace_s)
         if seq.block_table:
             self.block_pool.free(seq.block_table)
             seq.block_table = []

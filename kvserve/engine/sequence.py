@@ -52,6 +52,7 @@ class Sequence:
     cache_namespace: CacheNamespace | None = None
     cache_handle: PrefixHandle | None = None
     num_cached_tokens: int = 0            # prompt tokens served by the cache at first admission
+    cache_grace_s: float | None = None    # protection after finishing; None = the scheduler's default
 
     @property
     def num_tokens(self) -> int:

@@ -1,0 +1,384 @@
+"""Radix prefix cache over full KV blocks (DESIGN.md s3). Pure Python, no torch.
+
+One tree per ``CacheNamespace`` (adapter id, weight epoch, cache salt). A node holds a
+run of one or more full blocks: their token ids (``num_blocks * block_size`` of them),
+block ids and chained hashes. Children are keyed by the token ids of their first block.
+A match that ends inside a node splits it, so a handle always ends at a node's end::
+
+    block_size 2          root ── [a b | c d] ─┬─ [e f]
+                                               └─ [g h | i j]
+    match(a b c d g h x)  -> blocks of [a b | c d] and [g h]: [g h | i j] splits into
+                             [g h] ── [i j]; the handle ends at [g h]
+
+References: the cache holds one reference on every block in the tree
+(``BlockPool.cache_blocks``). A caller that uses matched blocks takes its own references
+with ``BlockPool.share`` and keeps the handle locked while it does; ``evict`` only
+removes least-recently-used *unlocked* leaves (tail block first) whose grace time has
+passed, so blocks of running requests and of live turns stay.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.prefix_events import (BlockRemoved, BlockStored, CacheEvent, CacheNamespace, block_hash,
+                                          namespace_seed)
+
+
+class _Node:
+    """A run of full blocks; the root of a namespace holds none."""
+
+    __slots__ = ("namespace", "parent", "key", "token_ids", "block_ids", "block_hashes", "children",
+                 "lock_count", "last_access", "protected_until", "serial")
+
+    def __init__(self, namespace, parent, token_ids, block_ids, block_hashes, serial):
+        self.namespace: CacheNamespace = namespace
+        self.parent: _Node | None = parent
+        self.token_ids: list[int] = token_ids
+        self.block_ids: list[int] = block_ids
+        self.block_hashes: list[int] = block_hashes
+        self.children: dict[tuple[int, ...], _Node] = {}
+        self.lock_count = 0
+        self.last_access = 0              # logical clock: larger = more recently used
+        self.protected_until = 0.0        # clock time before which it is never evicted
+        self.serial = serial              # creation order: a deterministic LRU tie-break
+        self.key: tuple[int, ...] = ()
+
+    @property
+    def is_root(self) -> bool:
+        return self.parent is None
+
+
+@dataclass(frozen=True, eq=False)
+class PrefixHandle:
+    """The result of ``match`` / ``insert``: the cached blocks covering the first
+    ``num_tokens`` tokens of a sequence, ending at the end of ``node``. Valid while
+    locked (or until the next cache call, if never locked)."""
+
+    namespace: CacheNamespace
+    node: _Node
+    block_ids: tuple[int, ...]
+    num_tokens: int
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters since start (or since the last reset of the counters, never automatic)."""
+
+    num_queries: int = 0              # lookups made when admitting a sequence
+    num_query_tokens: int = 0         # tokens those lookups asked for
+    num_hit_tokens: int = 0           # tokens served from the cache
+    num_evicted_blocks: int = 0       # blocks the cache dropped (eviction and reset)
+    num_cached_blocks: int = 0        # blocks in the tree now
+    num_nodes: int = 0                # tree nodes now (roots excluded)
+    num_dropped_events: int = 0       # events lost because nobody drained them
+
+    @property
+    def hit_rate(self) -> float:
+        """Hit tokens / query tokens (0 before any query)."""
+        return self.num_hit_tokens / self.num_query_tokens if self.num_query_tokens else 0.0
+
+
+class PrefixCache:
+    """Radix tree of full KV blocks, namespaced, with locked handles and LRU eviction."""
+
+    def __init__(self, block_pool: BlockPool, clock: Callable[[], float] = time.monotonic,
+                 max_pending_events: int = 4096):
+        self.block_pool = block_pool
+        self.block_size = block_pool.block_size
+        self._clock = clock
+        self._roots: dict[CacheNamespace, _Node] = {}
+        self._leaves: set[_Node] = set()      # non-root nodes without children
+        self._tick = itertools.count(1)
+        self._serials = itertools.count()
+        self._events: deque[CacheEvent] = deque(maxlen=max_pending_events)
+        self._stats = PrefixCacheStats()
+
+    # ------------------------------------------------------------------ lookup
+    def match(self, namespace: CacheNamespace, token_ids: list[int], max_tokens: int | None = None) -> PrefixHandle:
+        """Longest cached prefix of ``token_ids`` in whole blocks, at most ``max_tokens``
+        tokens (callers pass ``len - 1`` so the last token is always computed). Splits
+        the node the match ends inside; marks the path as recently used. The handle is
+        not locked: lock it before anything else can evict."""
+        bs = self.block_size
+        limit = len(token_ids) if max_tokens is None else min(max_tokens, len(token_ids))
+        max_blocks = max(limit, 0) // bs
+        node = self._roots.get(namespace)
+        block_ids: list[int] = []
+        tick = next(self._tick)
+        while node is not None and len(block_ids) < max_blocks:
+            start = len(block_ids) * bs
+            child = node.children.get(tuple(token_ids[start:start + bs]))
+            if child is None:
+                break
+            num_same = self._num_equal_blocks(child, token_ids, start, max_blocks - len(block_ids))
+            if num_same < len(child.block_ids):
+                child = self._split(child, num_same)
+            child.last_access = tick
+            block_ids.extend(child.block_ids)
+            node = child
+        if node is None:
+            node = self._root(namespace, create=False)
+        return PrefixHandle(namespace, node, tuple(block_ids), len(block_ids) * bs)
+
+    def _num_equal_blocks(self, node: _Node, token_ids: list[int], start: int, max_blocks: int) -> int:
+        """Leading blocks of ``node`` equal to ``token_ids[start:]`` (the first is known equal)."""
+        bs = self.block_size
+        count = 1
+        while count < min(len(node.block_ids), max_blocks):
+            lo = count * bs
+            if node.token_ids[lo:lo + bs] != token_ids[start + lo:start + lo + bs]:
+                break
+            count += 1
+        return count
+
+    def _root(self, namespace: CacheNamespace, create: bool = True) -> _Node:
+        root = self._roots.get(namespace)
+        if root is None:
+            root = _Node(namespace, None, [], [], [], next(self._serials))
+            if create:
+                self._roots[namespace] = root
+        return root
+
+    def _split(self, node: _Node, num_blocks: int) -> _Node:
+        """Cut ``node`` after ``num_blocks`` blocks; returns the new upper part. The
+        lower part keeps the node's identity, so handles ending at it stay valid."""
+        bs = self.block_size
+        cut = num_blocks * bs
+        upper = _Node(node.namespace, node.parent, node.token_ids[:cut], node.block_ids[:num_blocks],
+                      node.block_hashes[:num_blocks], next(self._serials))
+        upper.key, upper.last_access, upper.protected_until = node.key, node.last_access, node.protected_until
+        node.parent.children[upper.key] = upper
+        node.token_ids, node.block_ids = node.token_ids[cut:], node.block_ids[num_blocks:]
+        node.block_hashes = node.block_hashes[num_blocks:]
+        node.key = tuple(node.token_ids[:bs])
+        node.parent = upper
+        upper.children[node.key] = node
+        self._stats.num_nodes += 1
+        return upper
+
+    # ------------------------------------------------------------------ insert
+    def insert(self, handle: PrefixHandle, token_ids: list[int], block_ids: list[int]) -> PrefixHandle:
+        """Add full blocks that continue ``handle``'s prefix: ``token_ids`` (a multiple
+        of block_size) whose KV is in ``block_ids``. Blocks whose tokens are already
+        cached are skipped (the caller keeps its own copies); new ones get the cache's
+        reference. Returns the handle of the longer prefix (unlocked: lock it, then
+        unlock the old one)."""
+        bs = self.block_size
+        if len(token_ids) != len(block_ids) * bs:
+            raise ValueError(f"{len(token_ids)} tokens do not fill {len(block_ids)} blocks of {bs}")
+        if not block_ids:
+            return handle
+        node = handle.node if handle.num_blocks else self._root(handle.namespace)
+        path_ids = list(handle.block_ids)
+        tick = next(self._tick)
+        done = 0
+        while done < len(block_ids):
+            start = done * bs
+            key = tuple(token_ids[start:start + bs])
+            child = node.children.get(key)
+            if child is None:
+                child = self._add_node(node, key, token_ids[start:], block_ids[done:])
+            else:
+                num_same = self._num_equal_blocks(child, token_ids, start, len(block_ids) - done)
+                if num_same < len(child.block_ids):
+                    child = self._split(child, num_same)
+            child.last_access = tick
+            path_ids.extend(child.block_ids)
+            done += len(child.block_ids)
+            node = child
+        return PrefixHandle(handle.namespace, node, tuple(path_ids), len(path_ids) * bs)
+
+    def _add_node(self, parent: _Node, key: tuple[int, ...], token_ids: list[int], block_ids: list[int]) -> _Node:
+        bs = self.block_size
+        parent_hash = parent.block_hashes[-1] if not parent.is_root else namespace_seed(parent.namespace)
+        hashes, previous = [], parent_hash
+        for i in range(len(block_ids)):
+            previous = block_hash(previous, token_ids[i * bs:(i + 1) * bs])
+            hashes.append(previous)
+        self.block_pool.cache_blocks(block_ids)
+        node = _Node(parent.namespace, parent, list(token_ids), list(block_ids), hashes, next(self._serials))
+        node.key = key
+        parent.children[key] = node
+        self._leaves.discard(parent)
+        self._leaves.add(node)
+        self._stats.num_nodes += 1
+        self._stats.num_cached_blocks += len(block_ids)
+        self._publish(BlockStored(list(hashes), None if parent.is_root else parent_hash, list(token_ids), bs,
+                                  parent.namespace.adapter_id))
+        return node
+
+    # ------------------------------------------------------------------ locks
+    def lock(self, handle: PrefixHandle) -> None:
+        """Protect the handle's blocks from eviction until ``unlock`` (locks nest)."""
+        if not handle.node.is_root:
+            handle.node.lock_count += 1
+
+    def unlock(self, handle: PrefixHandle, grace_s: float = 0.0) -> None:
+        """Release one lock; the blocks stay protected ``grace_s`` seconds more (a live
+        turn waiting for its next message). Marks the path as recently used."""
+        node = handle.node
+        if node.is_root:
+            return
+        if node.lock_count <= 0:
+            raise RuntimeError("unlock of a prefix handle that is not locked")
+        node.lock_count -= 1
+        if grace_s > 0:
+            node.protected_until = max(node.protected_until, self._clock() + grace_s)
+        tick = next(self._tick)
+        while not node.is_root:
+            node.last_access = tick
+            node = node.parent
+
+    # --------------------------------------------------------------- eviction
+    def evict(self, num_blocks: int, include_protected: bool = False) -> list[int]:
+        """Drop the cache's reference on up to ``num_blocks`` blocks, least recently used
+        unlocked leaves first, each leaf from its last block backwards. Returns the block
+        ids dropped, in order (a block a sequence still shares does not become free).
+        Blocks within their grace time are kept unless ``include_protected`` (the
+        scheduler's last resort when nothing else could ever make progress)."""
+        now = float("inf") if include_protected else self._clock()
+        return self._evict(num_blocks, now, lambda node: True)
+
+    def evict_namespaces(self, predicate: Callable[[CacheNamespace], bool]) -> list[int]:
+        """Drop every unlocked block of the namespaces ``predicate`` selects (e.g. older
+        weight epochs), grace time included."""
+        return self._evict(self._stats.num_cached_blocks, float("inf"), lambda node: predicate(node.namespace))
+
+    def reset(self) -> int:
+        """Drop every unlocked block, grace time included (an admin reset). Blocks of
+        running requests stay until they finish. Returns the number dropped."""
+        return len(self._evict(self._stats.num_cached_blocks, float("inf"), lambda node: True))
+
+    def _evict(self, num_blocks: int, now: float, selected: Callable[[_Node], bool]) -> list[int]:
+        def evictable(node: _Node) -> bool:
+            return (not node.children and node.lock_count == 0 and node.protected_until <= now
+                    and selected(node))
+
+        heap = [(n.last_access, n.serial, n) for n in self._leaves if evictable(n)]
+        heapq.heapify(heap)
+        dropped: list[int] = []
+        while heap and len(dropped) < num_blocks:
+            _, _, leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            dropped.extend(self._trim(leaf, num_blocks - len(dropped)))
+            if not leaf.block_ids and not parent.is_root and evictable(parent):
+                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+        return dropped
+
+    def _trim(self, leaf: _Node, max_blocks: int) -> list[int]:
+        """Remove up to ``max_blocks`` blocks from the end of ``leaf``; unlink it if empty."""
+        num = min(max_blocks, len(leaf.block_ids))
+        keep = len(leaf.block_ids) - num
+        dropped = leaf.block_ids[keep:][::-1]
+        hashes = leaf.block_hashes[keep:][::-1]
+        del leaf.block_ids[keep:], leaf.block_hashes[keep:], leaf.token_ids[keep * self.block_size:]
+        self.block_pool.uncache_blocks(dropped)
+        self._stats.num_cached_blocks -= num
+        self._stats.num_evicted_blocks += num
+        self._publish(BlockRemoved(hashes))
+        if keep == 0:
+            parent = leaf.parent
+            del parent.children[leaf.key]
+            self._leaves.discard(leaf)
+            self._stats.num_nodes -= 1
+            if not parent.children:
+                if parent.is_root:
+                    self._roots.pop(parent.namespace, None)
+                else:
+                    self._leaves.add(parent)
+        return dropped
+
+    # ------------------------------------------------------- events and stats
+    def _publish(self, event: CacheEvent) -> None:
+        if len(self._events) == self._events.maxlen:
+            self._stats.num_dropped_events += 1
+        self._events.append(event)
+
+    def drain_events(self) -> list[CacheEvent]:
+        """Events since the last drain, oldest first (for a cache-aware router)."""
+        events = list(self._events)
+        self._events.clear()
+        return events
+
+    def record_query(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        """Count one lookup made to admit a sequence (the scheduler calls this once per
+        admission, not per retry of a sequence that had to wait)."""
+        self._stats.num_queries += 1
+        self._stats.num_query_tokens += num_query_tokens
+        self._stats.num_hit_tokens += num_hit_tokens
+
+    def stats(self) -> PrefixCacheStats:
+        """A copy of the counters."""
+        return PrefixCacheStats(**vars(self._stats))
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return self._stats.num_cached_blocks
+
+    def cached_block_ids(self, namespace: CacheNamespace | None = None) -> set[int]:
+        """Block ids in the tree (of one namespace, or all)."""
+        roots = [self._roots[namespace]] if namespace in self._roots else (
+            [] if namespace is not None else list(self._roots.values()))
+        return {b for root in roots for node in _walk(root) for b in node.block_ids}
+
+    # -------------------------------------------------------------- integrity
+    def check_integrity(self, locked_handles: Iterable[PrefixHandle] | None = None) -> None:
+        """Assert the tree's invariants: node shapes and keys, parent links, the leaf set,
+        every block once and flagged cached in the pool, counters; with the handles that
+        hold locks, also that each node's lock count equals the handles locking it."""
+        bs, pool = self.block_size, self.block_pool
+        seen: set[int] = set()
+        nodes: list[_Node] = []
+        for namespace, root in self._roots.items():
+            if root.namespace != namespace or root.block_ids or not root.children:
+                raise AssertionError(f"bad root for {namespace}")
+            for node in _walk(root):
+                for key, child in node.children.items():
+                    if child.parent is not node or child.key != key or key != tuple(child.token_ids[:bs]):
+                        raise AssertionError("child key or parent link broken")
+                    if child.namespace != namespace:
+                        raise AssertionError("a node outside its namespace")
+                if node.is_root:
+                    continue
+                nodes.append(node)
+                if (not node.block_ids or len(node.token_ids) != bs * len(node.block_ids)
+                        or len(node.block_hashes) != len(node.block_ids) or node.lock_count < 0):
+                    raise AssertionError("node shape broken")
+                if seen.intersection(node.block_ids) or len(set(node.block_ids)) != len(node.block_ids):
+                    raise AssertionError("a block is cached twice")
+                seen.update(node.block_ids)
+        if any(not pool.is_cached(b) for b in seen) or len(seen) != pool.num_cached_blocks:
+            raise AssertionError("cached blocks disagree with the block pool")
+        if len(seen) != self._stats.num_cached_blocks or len(nodes) != self._stats.num_nodes:
+            raise AssertionError("cache counters disagree with the tree")
+        if self._leaves != {n for n in nodes if not n.children}:
+            raise AssertionError("leaf set disagrees with the tree")
+        if locked_handles is not None:
+            expected: dict[int, int] = {}
+            for handle in locked_handles:
+                if not handle.node.is_root:
+                    expected[id(handle.node)] = expected.get(id(handle.node), 0) + 1
+            for node in nodes:
+                if node.lock_count != expected.pop(id(node), 0):
+                    raise AssertionError(f"lock count {node.lock_count} disagrees with the live handles")
+            if expected:
+                raise AssertionError("a live handle locks a node that is not in the tree")
+
+
+def _walk(root: _Node):
+    """Depth-first nodes of a tree, root first."""
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(node.children.values())
