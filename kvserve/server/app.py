@@ -202,6 +202,15 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.metrics.ready.set(0 if ctx.state.not_ready_reason(ctx.client) else 1)
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    @app.post("/admin/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Admin: drop the engine's prefix-cached blocks (behind the API key when keys are set)."""
+        if ctx.client is None:
+            raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
+        num_blocks = await ctx.client.reset_prefix_cache()
+        logger.info("prefix cache reset: %d cached blocks dropped", num_blocks)
+        return {"reset": True}
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         values = protocol.parse_tokenize(await read_json(request, ctx))

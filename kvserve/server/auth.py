@@ -15,6 +15,13 @@ import json
 from kvserve.server.errors import AuthenticationError
 
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
+NO_AUTH_CACHE_SALT = "kvserve:no-auth"     # every request's salt when no keys are configured
+
+
+def cache_salt(tenant: str | None) -> str:
+    """The prefix-cache salt of an authenticated caller: derived from its tenant (set by
+    this middleware from the key), never from the request body; a fixed salt without auth."""
+    return NO_AUTH_CACHE_SALT if tenant is None else "tenant:" + tenant
 
 
 def load_keys(api_key: str | None = None, keys_file: str | None = None) -> dict[str, str]:

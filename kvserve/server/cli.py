@@ -31,6 +31,11 @@ def register(subparsers) -> None:
     eng.add_argument("--device", default="auto")
     eng.add_argument("--dtype", default="auto")
     eng.add_argument("--seed", type=int, default=0, help="seed of the engine's unseeded sampling")
+    eng.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                     help="turn the engine's prefix cache off")
+    eng.add_argument("--prefix-cache-grace-s", type=float, default=30.0,
+                     help="seconds a finished request's cached blocks stay unevictable (default 30, so a "
+                          "chat's live turn survives between messages)")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queued-requests", type=int, default=256,
                      help="requests admitted but not yet scheduled; past it: 503 + Retry-After")
@@ -47,11 +52,17 @@ def register(subparsers) -> None:
 
 def engine_config_from_args(args, model_path: str) -> dict:
     """EngineConfig fields (plus ``cpus``) for the engine process."""
+    import math
+
     from kvserve.server.launcher import pin_cpus
+    grace = getattr(args, "prefix_cache_grace_s", 30.0)
+    if not 0 <= grace < math.inf:
+        raise ValueError(f"--prefix-cache-grace-s must be a finite number >= 0, got {grace}")
     return {"model": model_path, "device": args.device, "dtype": args.dtype,
             "kv_cache_bytes": int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
+            "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
             "cpus": pin_cpus(args.engine_cpus)}
 
 

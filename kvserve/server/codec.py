@@ -6,7 +6,8 @@ decoding builds only the dataclasses registered here, from ints, floats, strings
 lists and dicts.
 
 HTTP -> engine: InitEngine (once, first), AddRequest, AbortRequests, StopSequences,
-Shutdown. Engine -> HTTP: EngineReady (once), StepOutputs, RequestError, EngineStats.
+ResetPrefixCache, Shutdown. Engine -> HTTP: EngineReady (once), StepOutputs, RequestError,
+EngineStats, PrefixCacheReset (the answer to ResetPrefixCache).
 """
 from __future__ import annotations
 
@@ -52,7 +53,11 @@ class EngineReady:
 
 @dataclass
 class AddRequest:
-    """Queue a request (``params.n`` sequences); ``tenant`` names who sent it (API key's tenant)."""
+    """Queue a request (``params.n`` sequences); ``tenant`` names who sent it (API key's tenant).
+
+    ``cache_salt`` namespaces the prefix cache; the HTTP process derives it from the
+    authenticated caller (never from the request body). ``use_prefix_cache`` False: the
+    request neither reads nor fills the prefix cache."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -60,6 +65,8 @@ class AddRequest:
     eos_token_ids: list[int] | None = None
     priority: int = 0
     tenant: str | None = None
+    cache_salt: str | None = None
+    use_prefix_cache: bool = True
 
 
 @dataclass
@@ -74,6 +81,18 @@ class StopSequences:
     """Finish these sequences with reason ``stop`` (a stop string matched in the front end)."""
 
     seq_ids: list[int]
+
+
+@dataclass
+class ResetPrefixCache:
+    """Admin: drop every prefix-cached block no running request uses."""
+
+
+@dataclass
+class PrefixCacheReset:
+    """The answer to ResetPrefixCache: how many cached blocks were dropped."""
+
+    num_blocks: int
 
 
 @dataclass
@@ -109,7 +128,7 @@ class RequestError:
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     InitEngine, EngineReady, AddRequest, AbortRequests, StopSequences, Shutdown, EngineStats,
-    StepOutputs, RequestError)}
+    StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset)}
 
 
 # --------------------------------------------------------------- conversion

@@ -28,6 +28,7 @@ from kvserve.output_processor import OutputProcessor
 from kvserve.outputs import RequestOutput
 from kvserve.sampling.params import SamplingParams
 from kvserve.server import codec
+from kvserve.server.auth import cache_salt
 from kvserve.server.errors import ServiceUnavailableError
 from kvserve.server.metrics import ServerMetrics
 
@@ -69,6 +70,7 @@ class EngineClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._pending_stops: list[int] = []
+        self._reset_waiters: list[asyncio.Future] = []     # ResetPrefixCache sent, answer pending
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> codec.EngineReady:
@@ -123,7 +125,7 @@ class EngineClient:
     # -------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str | None,
                params: SamplingParams, sink: asyncio.Queue, tag: int, arrival: float,
-               tenant: str | None = None, priority: int = 0) -> None:
+               tenant: str | None = None, priority: int = 0, use_prefix_cache: bool = True) -> None:
         """Send a validated request to the engine; its events go to ``sink`` tagged ``tag``."""
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
@@ -131,7 +133,18 @@ class EngineClient:
         self.processor.add_request(request_id, prompt_text, prompt_token_ids, params)
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self._send(codec.AddRequest(request_id, list(prompt_token_ids), params,
-                                    sorted(self.tokenizer.eos_token_ids), priority, tenant))
+                                    sorted(self.tokenizer.eos_token_ids), priority, tenant,
+                                    cache_salt=cache_salt(tenant), use_prefix_cache=use_prefix_cache))
+
+    async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
+        """Admin: have the engine drop every prefix-cached block no running request uses;
+        how many it dropped."""
+        if self.dead or self.info is None:
+            raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
+        waiter = asyncio.get_running_loop().create_future()
+        self._reset_waiters.append(waiter)
+        self._send(codec.ResetPrefixCache())
+        return await asyncio.wait_for(waiter, timeout_s)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now (client gone, deadline, drain): the engine frees its blocks before
@@ -181,6 +194,11 @@ class EngineClient:
         elif isinstance(message, codec.EngineStats):
             self.stats = message.stats
             self.metrics.update_engine(message.stats)
+        elif isinstance(message, codec.PrefixCacheReset):
+            if self._reset_waiters:                 # answers come in the order of the requests
+                waiter = self._reset_waiters.pop(0)
+                if not waiter.done():
+                    waiter.set_result(message.num_blocks)
         elif isinstance(message, codec.RequestError):
             tracked = self.requests.pop(message.request_id, None)
             self.processor.abort_request(message.request_id)
@@ -237,6 +255,11 @@ class EngineClient:
         tracked.last_token_time[index] = now
 
     def _engine_gone(self) -> None:
+        waiters, self._reset_waiters = self._reset_waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_exception(ServiceUnavailableError("the engine process is gone",
+                                                             code="engine_unavailable"))
         if self._closing:
             return
         self.dead = True

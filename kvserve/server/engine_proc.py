@@ -7,7 +7,7 @@ It never sees HTTP, JSON or text.
 Loop (one iteration per engine step)::
 
     read every message already waiting (block only while there is no work)
-      -> add / abort / stop sequences / shutdown
+      -> add / abort / stop sequences / reset prefix cache / shutdown
     step the engine if it has work -> send StepOutputs (updates + stats)
     idle: check block-pool integrity, send EngineStats
 
@@ -74,6 +74,8 @@ class EngineLoop:
             for seq_id in message.seq_ids:
                 self.engine.stop_sequence(seq_id)
             self._dirty = True
+        elif isinstance(message, codec.ResetPrefixCache):
+            self.send(codec.PrefixCacheReset(int(self.engine.reset_prefix_cache())))
         elif isinstance(message, codec.Shutdown):
             self.running = False
         else:
@@ -83,9 +85,11 @@ class EngineLoop:
         from kvserve.errors import KVServeError
         eos = frozenset(message.eos_token_ids) if message.eos_token_ids is not None else None
         try:
-            # The tenant namespaces the prefix cache: tenants never share KV blocks.
+            # The salt (derived from the caller's tenant by the HTTP process) namespaces the
+            # prefix cache: tenants never share KV blocks.
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, eos,
-                                    message.priority, cache_salt=message.tenant)
+                                    message.priority, cache_salt=message.cache_salt,
+                                    use_prefix_cache=bool(message.use_prefix_cache))
         except KVServeError as err:
             self.send(codec.RequestError(message.request_id, err.http_status, err.to_dict()))
             return

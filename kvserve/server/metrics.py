@@ -107,6 +107,11 @@ class ServerMetrics:
         self.prefix_hit_rate = g("kvserve_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / "
                                  "prompt tokens looked up, since start.")
         self.prefix_hit_tokens = c("kvserve_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.")
+        self.prefix_queries = c("kvserve_prefix_cache_queries_total", "Prefix cache lookups (one per admitted "
+                                "request that uses the cache).")
+        self.prefix_evicted = c("kvserve_prefix_cache_evicted_blocks_total",
+                                "Cached blocks evicted (reused for other requests or dropped by a reset).")
+        self.prefix_blocks = g("kvserve_prefix_cache_blocks", "Blocks the prefix cache indexes.")
         self.ready = g("kvserve_ready", "1 when /ready answers 200.")
         self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
         self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
@@ -117,7 +122,7 @@ class ServerMetrics:
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
-                     self.prefix_hit_tokens, self.ready, self.integrity, self.preemptions,
+                     self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks, self.ready, self.integrity, self.preemptions,
                      self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
                      self.rejected]
 
@@ -130,6 +135,9 @@ class ServerMetrics:
         self.kv_cached.set(stats.get("kv_blocks_cached", 0))
         self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
         self.prefix_hit_tokens.set_total(stats.get("prefix_cache_hit_tokens", 0))
+        self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
+        self.prefix_evicted.set_total(stats.get("prefix_cache_evicted_blocks", 0))
+        self.prefix_blocks.set(stats.get("prefix_cache_blocks", 0))
         self.preemptions.set_total(stats.get("num_preemptions", 0))
         self.engine_steps.set_total(stats.get("num_steps", 0))
         self.integrity.set(1 if stats.get("integrity_ok", True) else 0)

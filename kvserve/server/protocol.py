@@ -52,6 +52,7 @@ class GenerateSpec:
     user: str | None = None
     deadline_s: float | None = None
     priority: int = 0
+    use_prefix_cache: bool = True               # vLLM-style extension: false opts out of the prefix cache
 
 
 # ------------------------------------------------------------------ JSON body
@@ -230,6 +231,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "logit_bias": _logit_bias,
     "deadline_s": _number(0.0, MAX_DEADLINE_S, open_lo=True),
     "priority": _int(-MAX_PRIORITY, MAX_PRIORITY),
+    "use_prefix_cache": _bool,
     "service_tier": _only_null("service tiers"),
     "metadata": _only_null("metadata storage"),
     "store": _only_null("storing completions"),
@@ -336,7 +338,8 @@ def parse_completion(body: dict) -> GenerateSpec:
     return GenerateSpec(kind="completion", model=values.get("model"), params=params, prompts=prompts,
                         stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
                         logprobs=values.get("logprobs"), user=values.get("user"),
-                        deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0)
+                        deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
+                        use_prefix_cache=values.get("use_prefix_cache") is not False)
 
 
 def _chat_max_tokens(values: dict) -> tuple[int | None, str]:
@@ -365,7 +368,8 @@ def parse_chat(body: dict) -> GenerateSpec:
     return GenerateSpec(kind="chat", model=values.get("model"), params=params, messages=messages,
                         max_tokens_param=max_param, stream=stream, include_usage=include_usage,
                         logprobs=logprobs, user=values.get("user"), deadline_s=values.get("deadline_s"),
-                        priority=values.get("priority") or 0)
+                        priority=values.get("priority") or 0,
+                        use_prefix_cache=values.get("use_prefix_cache") is not False)
 
 
 def parse_tokenize(body: dict) -> dict:

@@ -1,0 +1,161 @@
+"""The prefix cache over HTTP: usage.prompt_tokens_details.cached_tokens, tenant isolation,
+the admin reset, the per-request opt-out and the /metrics names.
+
+One server for the module (two tenants, tiny KV budget, one-token outputs).
+"""
+from __future__ import annotations
+
+import itertools
+
+import httpx
+import pytest
+
+from kvserve.server import codec
+from kvserve.server.auth import NO_AUTH_CACHE_SALT, cache_salt
+from kvserve.server.protocol import InvalidRequestError, parse_chat, parse_completion
+from kvserve.server.testing import ServerProcess
+
+ALICE = "pc-key-alice"
+BOB = "pc-key-bob"
+MODEL = "SmolLM2-135M-Instruct"
+_unique = itertools.count()
+
+
+# ------------------------------------------------------------ no model needed
+def test_cache_salt_comes_from_the_tenant_not_the_body():
+    assert cache_salt(None) == NO_AUTH_CACHE_SALT
+    assert cache_salt("alice") != cache_salt("bob")
+    assert cache_salt("alice") != cache_salt(None)
+    with pytest.raises(InvalidRequestError) as err:           # no body field can set the salt
+        parse_completion({"prompt": "x", "cache_salt": "alice"})
+    assert err.value.param == "cache_salt"
+
+
+def test_use_prefix_cache_field():
+    assert parse_completion({"prompt": "x"}).use_prefix_cache is True
+    assert parse_completion({"prompt": "x", "use_prefix_cache": False}).use_prefix_cache is False
+    assert parse_chat({"messages": [{"role": "user", "content": "x"}],
+                       "use_prefix_cache": True}).use_prefix_cache is True
+    for bad in ("false", 0, 1, [], {}):
+        with pytest.raises(InvalidRequestError) as err:
+            parse_completion({"prompt": "x", "use_prefix_cache": bad})
+        assert err.value.param == "use_prefix_cache"
+
+
+def test_codec_round_trips_the_prefix_cache_messages():
+    from kvserve.engine.step import SeqUpdate
+    from kvserve.sampling.params import SamplingParams
+    messages = [codec.AddRequest("r", [1, 2], SamplingParams(max_tokens=2), [0], 0, "alice",
+                                 cache_salt="tenant:alice", use_prefix_cache=False),
+                codec.ResetPrefixCache(), codec.PrefixCacheReset(7),
+                codec.StepOutputs([SeqUpdate(1, "r", 0, [5], [], None, 32)])]
+    frames = codec.FrameBuffer()
+    decoded = frames.feed(b"".join(codec.encode(m) for m in messages))
+    assert decoded[:3] == messages[:3]
+    assert decoded[3].updates[0].num_cached_tokens == 32
+
+
+# --------------------------------------------------------------- end to end
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
+    with ServerProcess("--api-keys-file", str(keys), "--threads", "1", "--kv-cache-gib", "0.1",
+                       "--max-num-seqs", "8") as proc:
+        yield proc
+
+
+def _prompt() -> str:
+    """A long prompt (several full KV blocks) no other test has sent."""
+    return f"Prefix cache check number {next(_unique)}. " + "The quick brown fox jumps over the lazy dog. " * 12
+
+
+def _post(server, path: str, key: str | None, body: dict | None = None) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(server.url + path, headers=headers, json=body if body is not None else {}, timeout=120)
+
+
+def _cached(server, key: str, prompt: str, kind: str = "completion", **extra) -> int:
+    if kind == "completion":
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, **extra}
+        r = _post(server, "/v1/completions", key, body)
+    else:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": prompt}], "max_tokens": 1, **extra}
+        r = _post(server, "/v1/chat/completions", key, body)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.model
+def test_repeat_from_the_same_key_is_cached(server):
+    prompt = _prompt()
+    assert _cached(server, ALICE, prompt) == 0
+    assert _cached(server, ALICE, prompt) > 0
+    chat_prompt = _prompt()
+    _cached(server, ALICE, chat_prompt, "chat")
+    assert _cached(server, ALICE, chat_prompt, "chat") > 0
+
+
+@pytest.mark.model
+def test_streaming_usage_chunk_reports_cached_tokens(server):
+    prompt = _prompt()
+    _cached(server, ALICE, prompt)
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": 1, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120,
+                      headers={"Authorization": f"Bearer {ALICE}"}) as r:
+        assert r.status_code == 200
+        lines = [line for line in r.iter_lines() if line.startswith("data: {")]
+    import json
+    usage = [json.loads(line[6:]) for line in lines if '"usage"' in line][-1]["usage"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.model
+def test_another_tenant_does_not_hit_the_cache(server):
+    prompt = _prompt()
+    _cached(server, ALICE, prompt)
+    assert _cached(server, ALICE, prompt) > 0
+    assert _cached(server, BOB, prompt) == 0
+
+
+@pytest.mark.model
+def test_admin_reset_empties_the_cache(server):
+    assert _post(server, "/admin/reset_prefix_cache", None).status_code == 401
+    assert _post(server, "/admin/reset_prefix_cache", "wrong-key").status_code == 401
+    prompt = _prompt()
+    _cached(server, ALICE, prompt)
+    assert _cached(server, ALICE, prompt) > 0
+    r = _post(server, "/admin/reset_prefix_cache", ALICE)
+    assert r.status_code == 200, r.text
+    assert r.json() == {"reset": True}
+    assert _cached(server, ALICE, prompt) == 0
+
+
+@pytest.mark.model
+def test_use_prefix_cache_false_opts_out(server):
+    prompt = _prompt()
+    _cached(server, ALICE, prompt)
+    assert _cached(server, ALICE, prompt) > 0
+    assert _cached(server, ALICE, prompt, use_prefix_cache=False) == 0
+    r = _post(server, "/v1/completions", ALICE, {"model": MODEL, "prompt": prompt, "max_tokens": 1,
+                                                 "use_prefix_cache": "no"})
+    assert r.status_code == 400
+    assert r.json()["error"]["param"] == "use_prefix_cache"
+
+
+@pytest.mark.model
+def test_metrics_expose_the_prefix_cache(server):
+    prompt = _prompt()
+    _cached(server, ALICE, prompt)
+    _cached(server, ALICE, prompt)
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ALICE}"}, timeout=30)
+    assert r.status_code == 200
+    for name in ("kvserve_prefix_cache_queries_total", "kvserve_prefix_cache_hit_tokens_total",
+                 "kvserve_prefix_cache_hit_rate", "kvserve_prefix_cache_evicted_blocks_total",
+                 "kvserve_prefix_cache_blocks", "kvserve_kv_blocks_cached"):
+        assert f"# TYPE {name} " in r.text, name
+    from kvserve.server.metrics import parse_metrics
+    samples = parse_metrics(r.text)
+    assert samples["kvserve_prefix_cache_queries_total"] >= 2
+    assert samples["kvserve_prefix_cache_hit_tokens_total"] > 0
