@@ -82,8 +82,8 @@ def test_disconnects_free_every_block(server):
     m = _wait_idle(server)
     assert m["kvserve_kv_integrity_ok"] == 1
     assert m['kvserve_requests_finished_total{finish_reason="abort"}'] >= 90
-    r = httpx.post(server.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4},
-                   timeout=60)
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 4,
+                                                         "temperature": 0, "ignore_eos": True}, timeout=60)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
 
 
