@@ -27,7 +27,7 @@ import httpx
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_common import ROOT, KVServe, bench, pin_self  # noqa: E402
+from serving_common import ROOT, KVServe, bench, emit_report, pin_self  # noqa: E402
 
 from kvserve.bench.cli import export_dataset  # noqa: E402
 from kvserve.bench.workloads import build_workload  # noqa: E402
@@ -127,11 +127,7 @@ def main(argv=None) -> int:
               "num_requests_each": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
               "kvserve_bench": mine, "aiperf": aiperf, "relative_difference": diffs, "tolerance": TOLERANCE,
               "agree": all(abs(d) <= TOLERANCE for d in diffs.values())}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_report(report, args.out)
     return 0 if report["agree"] else 1
 
 

@@ -134,3 +134,12 @@ def pin_self(cpus: str) -> None:
 
 def ratio(a, b):
     return a / b if a is not None and b else None
+
+
+def emit_report(report: dict, out: str | None) -> None:
+    """Print the report as JSON and, with ``out``, write the same text to that file."""
+    text = json.dumps(report, indent=2)
+    print(text)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")

@@ -11,14 +11,13 @@ process + engine process; offline: the process), which other load does not move.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_common import KVServe, bench, offline, pin_self, ratio  # noqa: E402
+from serving_common import KVServe, bench, emit_report, offline, pin_self, ratio  # noqa: E402
 
 from kvserve.bench.workloads import build_workload  # noqa: E402
 from kvserve.loader import default_model_path  # noqa: E402
@@ -65,11 +64,7 @@ def main(argv=None) -> int:
                                                   median(offline_runs, "output_token_throughput")),
               "server_fraction_of_offline_per_cpu_s": ratio(median(server_runs, "output_tokens_per_cpu_s"),
                                                             median(offline_runs, "output_tokens_per_cpu_s"))}
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 

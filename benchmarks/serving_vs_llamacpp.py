@@ -17,13 +17,12 @@ load on a shared machine); then offline vs server throughput at the top level.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from serving_common import (KVServe, LlamaServer, bench, default_llama_server, offline, pin_self,  # noqa: E402
+from serving_common import (KVServe, LlamaServer, bench, default_llama_server, emit_report, offline, pin_self,  # noqa: E402
                             ratio)
 
 from kvserve.bench.workloads import build_workload  # noqa: E402
@@ -102,11 +101,7 @@ def main(argv=None) -> int:
             "server_fraction_of_offline_per_cpu_s": ratio(server["output_tokens_per_cpu_s"],
                                                           off["output_tokens_per_cpu_s"]),
         }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
+    emit_report(report, args.out)
     return 0
 
 
