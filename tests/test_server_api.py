@@ -182,6 +182,37 @@ def test_logprobs_echo_n_and_usage(client):
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
+def _token_id(server, text: str) -> int:
+    """The id of ``text`` when it is exactly one token (via /tokenize)."""
+    r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60,
+                   headers={"Authorization": f"Bearer {API_KEY}"}).json()
+    assert r["count"] == 1, r
+    return r["tokens"][0]
+
+
+def test_logit_bias_forces_and_bans_tokens(server, client, aclient):
+    cat = _token_id(server, " cat")
+    for kw in (dict(temperature=0), dict(temperature=1.0, seed=3), dict(temperature=0.8, top_p=0.9)):
+        r = client.completions.create(model=MODEL, prompt="My favourite animal is", max_tokens=3,
+                                      logit_bias={str(cat): 100}, **kw)
+        assert r.choices[0].text == " cat cat cat" and r.choices[0].finish_reason == "length", kw
+        assert r.usage.completion_tokens == 3
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a dog."}],
+                                          max_tokens=3, temperature=0, logit_bias={cat: 100})
+    assert chat.choices[0].message.content == " cat cat cat"
+    streamed = _run(_complete(aclient(), "chat", "Name a dog.", True, max_tokens=3, temperature=0,
+                              logit_bias={cat: 100}, stream_options={"include_usage": True}))
+    assert streamed == (" cat cat cat", "length", 3)
+    # -100 bans the greedy choice: the runner-up comes instead, with its raw logprob.
+    prompt = "The capital of France is"
+    base = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2)
+    (first, second) = base.choices[0].logprobs.top_logprobs[0].items()
+    banned = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, logprobs=2,
+                                       logit_bias={str(_token_id(server, first[0])): -100})
+    assert banned.choices[0].text == second[0] != base.choices[0].text
+    assert banned.choices[0].logprobs.token_logprobs[0] == pytest.approx(second[1], abs=1e-4)
+
+
 def test_tenants_do_not_share_the_prefix_cache(server):
     """The key's tenant reaches the engine: a prompt alice sent is cached for alice, not for bob."""
     prompt = "Tenant isolation check. " * 20                  # > 100 tokens: several full blocks
@@ -238,8 +269,13 @@ def test_error_cases(server):
                   "invalid_parameter", "stop")
     _assert_error(_post(server, "/v1/chat/completions", {**chat, "logprobs": True, "top_logprobs": 21}), 400,
                   "invalid_parameter", "top_logprobs")
-    _assert_error(_post(server, "/v1/completions", {**ok, "logit_bias": {"5": 1}}), 400, "invalid_parameter",
-                  "logit_bias")
+    for bias in ({"abc": 1}, {"5": 101}, {"5": "1"}, {"-5": 1}, [5], {str(i): 1 for i in range(301)},
+                 {"49152": 1}, {"999999999": 1}):                        # the last two: beyond the vocabulary
+        for path, body in (("/v1/completions", ok), ("/v1/chat/completions", chat)):
+            for stream in (False, True):
+                _assert_error(_post(server, path, {**body, "logit_bias": bias, "stream": stream}), 400,
+                              "invalid_parameter", "logit_bias")
+    assert _post(server, "/v1/completions", {**ok, "logit_bias": {"5": 1, "49151": -100}}).status_code == 200
     _assert_error(_post(server, "/v1/completions", {**ok, "wat": 1}), 400, "unknown_parameter", "wat")
     _assert_error(_post(server, "/v1/completions", {**ok, "prompt": [10**9]}), 400, "invalid_parameter",
                   "prompt")

@@ -17,7 +17,8 @@ from kvserve.server.metrics import ServerMetrics, parse_metrics
 
 # ------------------------------------------------------------------- codec
 def test_codec_round_trips_every_message():
-    params = SamplingParams(n=2, max_tokens=7, temperature=0.5, stop=["x"], seed=3, logprobs=2)
+    params = SamplingParams(n=2, max_tokens=7, temperature=0.5, stop=["x"], seed=3, logprobs=2,
+                            logit_bias={50256: 100.0, 0: -2.5})
     messages = [
         codec.InitEngine({"model": None, "max_num_seqs": 4}),
         codec.EngineReady(100, 49152, 10, 16, 160, [2], "explained", 123),
@@ -70,7 +71,9 @@ def test_json_body_rules():
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "stop": ["a"] * 17}, "stop"),
     ({"prompt": "x", "stop": 5}, "stop"),
-    ({"prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
@@ -107,12 +110,13 @@ def test_fields_are_honoured():
         "prompt": ["a", "b"], "max_tokens": 5, "temperature": 0.5, "top_p": 0.9, "top_k": 3, "min_p": 0.1,
         "presence_penalty": 0.5, "frequency_penalty": -0.5, "repetition_penalty": 1.1, "seed": 7,
         "stop": "z", "n": 2, "logprobs": 3, "echo": False, "stream": True,
-        "stream_options": {"include_usage": True}, "user": "u", "logit_bias": {}})
+        "stream_options": {"include_usage": True}, "user": "u", "logit_bias": {"42": -100, "7": 2.5}})
     p = spec.params
     assert (p.max_tokens, p.temperature, p.top_p, p.top_k, p.min_p, p.n, p.seed, p.logprobs) == \
         (5, 0.5, 0.9, 3, 0.1, 2, 7, 3)
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty, p.stop) == (0.5, -0.5, 1.1, ["z"])
     assert spec.stream and spec.include_usage and len(spec.prompts) == 2 and spec.user == "u"
+    assert p.logit_bias == {42: -100.0, 7: 2.5}
     chat = protocol.parse_chat({"messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 9,
                                 "logprobs": True, "top_logprobs": 4})
     assert chat.params.max_tokens == 9 and chat.params.logprobs == 4 and chat.max_tokens_param == \

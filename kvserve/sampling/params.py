@@ -20,6 +20,8 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_ABS_PENALTY = 2.0
+MAX_LOGIT_BIAS = 300            # entries in one logit_bias map (OpenAI's limit)
+MAX_ABS_LOGIT_BIAS = 100.0      # each bias lies in [-100, 100] (OpenAI's range)
 
 
 def _is_int(value: Any) -> bool:
@@ -56,6 +58,10 @@ class SamplingParams:
     - ``logprobs``: ``None`` = off; ``k >= 0`` = the chosen token's logprob plus the
       top-k alternatives, all under the model's raw distribution.
     - ``skip_special_tokens``: detokeniser option.
+    - ``logit_bias``: ``{token id: bias}`` (OpenAI semantics, at most ``MAX_LOGIT_BIAS``
+      entries, each bias in [-100, 100]); the bias is added to the model's logits before
+      the penalties and the ``min_tokens`` mask. +100 all but forces a token, -100 all but
+      bans it. Logprobs stay those of the raw model distribution.
     """
 
     n: int = 1
@@ -75,6 +81,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    logit_bias: dict[int, float] | None = None
 
     def __post_init__(self) -> None:
         # Normalise harmless spellings only (a lone stop string, tuples); never raise here.
@@ -97,6 +104,11 @@ class SamplingParams:
         return self.top_k > 0
 
     @property
+    def has_logit_bias(self) -> bool:
+        """True when ``logit_bias`` holds at least one entry."""
+        return bool(self.logit_bias)
+
+    @property
     def has_penalties(self) -> bool:
         """True when any of the three penalties changes the logits."""
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
@@ -109,19 +121,22 @@ class SamplingParams:
             new.stop = list(new.stop)
         if new.stop_token_ids is not None and new.stop_token_ids is self.stop_token_ids:
             new.stop_token_ids = list(new.stop_token_ids)
+        if new.logit_bias is not None and new.logit_bias is self.logit_bias:
+            new.logit_bias = dict(new.logit_bias)
         return new
 
     # --------------------------------------------------------------- validation
     def validate(self) -> None:
         """Check every field; raise ``InvalidRequestError(message, param=field)`` on the first bad one.
 
-        Does not know the model: vocabulary bounds of ``stop_token_ids`` and the
-        context limit for ``max_tokens`` are the engine's to check.
+        Does not know the model: vocabulary bounds of ``stop_token_ids`` and
+        ``logit_bias`` and the context limit for ``max_tokens`` are the engine's to check.
         """
         self._validate_counts()
         self._validate_distribution()
         self._validate_penalties()
         self._validate_stops()
+        self._validate_logit_bias()
         self._validate_misc()
 
     def _validate_counts(self) -> None:
@@ -175,6 +190,23 @@ class SamplingParams:
             for tid in self.stop_token_ids:
                 if not _is_int(tid) or tid < 0:
                     _fail("stop_token_ids", f"stop_token_ids must be integers >= 0, got {tid!r}")
+
+    def _validate_logit_bias(self) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        if not isinstance(bias, dict):
+            _fail("logit_bias", "logit_bias must be a map from token ids to biases or null, "
+                                f"got {type(bias).__name__}")
+        if len(bias) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(bias)}")
+        for tid, value in bias.items():
+            if not _is_int(tid) or tid < 0:
+                _fail("logit_bias", f"logit_bias keys must be token ids (integers >= 0), got {tid!r:.40}")
+            if (not _is_number(value) or not math.isfinite(value)
+                    or not -MAX_ABS_LOGIT_BIAS <= value <= MAX_ABS_LOGIT_BIAS):
+                _fail("logit_bias", f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                                    f"{MAX_ABS_LOGIT_BIAS:g}], got {value!r:.40} for token {tid}")
 
     def _validate_misc(self) -> None:
         if self.seed is not None and not _is_int(self.seed):

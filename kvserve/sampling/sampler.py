@@ -3,12 +3,16 @@
 Pipeline for a batch of ``B`` rows (``V`` = vocabulary size)::
 
     raw logits [B, V] ──▶ process_logits ──────────────────────────▶ greedy rows: argmax
-                           (penalties, min_tokens mask)          │
+                    (logit_bias, penalties, min_tokens mask)     │
                                                                  └▶ sampling rows:
         apply_temperature (÷T, shifted so the max is 0) ─▶ apply_filters (min-p, top-k,
         top-p, one sort) ─▶ softmax ─▶ argmax(probs / q), q ~ Exp(1)   (exponential race)
 
     raw logits ──▶ log_softmax ──▶ logprobs / top_logprobs   (only when some row asks)
+
+``logit_bias`` is added first (as vLLM, whose logit-bias processor runs before the
+penalties), so the repetition penalty scales the biased logit, and the ``min_tokens``
+mask still wins over any bias: greedy and sampled rows see the same processed logits.
 
 Seeded rows draw ``q`` from a generator seeded by a hash of
 ``(seed, seed_offset, len(output_token_ids))``: their token depends only on that
@@ -85,6 +89,37 @@ def _token_counts(id_lists: Sequence[Sequence[int]], vocab_size: int,
     return counts
 
 
+def apply_logit_bias(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Add each row's ``params.logit_bias`` (``{token id: bias}``) to its logits.
+
+    One ``index_put_`` over the ``(row, token)`` pairs of every biased row; ids outside
+    [0, V) and zero biases are skipped. Returns a new tensor when any row has a bias,
+    else ``logits`` itself; rows without a bias are bit-for-bit unchanged.
+    """
+    row_idx: list[int] = []
+    tok_idx: list[int] = []
+    values: list[float] = []
+    vocab_size = logits.shape[1]
+    for i, r in enumerate(rows):
+        bias = r.params.logit_bias
+        if not bias:
+            continue
+        for tid, value in bias.items():
+            if value and 0 <= tid < vocab_size:
+                row_idx.append(i)
+                tok_idx.append(tid)
+                values.append(value)
+    if not values:
+        return logits
+    device = logits.device
+    rows_t = torch.tensor(row_idx, dtype=torch.long, device=device)
+    toks_t = torch.tensor(tok_idx, dtype=torch.long, device=device)
+    out = logits.clone()
+    out.index_put_((rows_t, toks_t), torch.tensor(values, dtype=logits.dtype, device=device),
+                   accumulate=True)
+    return out
+
+
 def apply_penalties(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
     """Repetition, frequency and presence penalties; returns a new tensor (input untouched).
 
@@ -143,17 +178,21 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
 
 
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The temperature-independent step: penalties, then the ``min_tokens`` mask.
+    """The temperature-independent step: ``logit_bias``, penalties, then the ``min_tokens`` mask.
 
-    A row left with no finite logit (everything masked) falls back to its raw
-    logits, so the sampler never sees an empty distribution. Returns ``logits``
-    itself when no row needs processing. ``logits``: ``[B, V]``.
+    The bias comes first (vLLM's order): the repetition penalty then scales the biased
+    logit, presence/frequency penalties add to it, and the ``min_tokens`` mask (-inf)
+    overrides any bias. A row left with no finite logit (everything masked) falls back
+    to its biased logits (its raw logits when it has no bias), so the sampler never sees
+    an empty distribution. Returns ``logits`` itself when no row needs processing; never
+    modifies ``logits``. ``logits``: ``[B, V]``.
     """
-    out = apply_min_tokens_mask(apply_penalties(logits, rows), rows)
-    if out is not logits:
+    biased = apply_logit_bias(logits, rows)
+    out = apply_min_tokens_mask(apply_penalties(biased, rows), rows)
+    if out is not biased:
         dead = torch.isneginf(out.amax(dim=-1))                            # [B]
         if bool(dead.any()):
-            out[dead] = logits[dead]
+            out[dead] = biased[dead]
     return out
 
 

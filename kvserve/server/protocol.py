@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling.params import MAX_LOGPROBS, SamplingParams
+from kvserve.sampling.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PROMPTS = 32            # prompts in one completions request
@@ -23,7 +24,7 @@ MAX_CHOICES = 64            # prompts x n
 MAX_USER_CHARS = 256
 MAX_DEADLINE_S = 3600.0
 MAX_PRIORITY = 1_000_000
-MAX_LOGIT_BIAS = 0          # logit_bias is not supported: only an empty map is accepted
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")    # a logit_bias key: a token id in decimal
 MAX_JSON_DEPTH = 64
 
 
@@ -166,14 +167,27 @@ def _only_null(what: str) -> Callable:
 
 
 def _logit_bias(name: str, value: Any) -> Any:
+    """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} -> {int id: float bias}.
+
+    At most MAX_LOGIT_BIAS entries; keys are token ids written as decimal integers
+    (no sign, no leading zeros). Ids beyond the vocabulary are refused by the engine's
+    rule (checked before the request is submitted, see serving.prepare_prompts)."""
     if value is None:
         return None
     if not isinstance(value, dict):
         raise _bad(name, "logit_bias must be an object mapping token ids to biases")
     if len(value) > MAX_LOGIT_BIAS:
-        raise _bad(name, f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries on this server "
-                         f"(got {len(value)}): biasing logits is not supported")
-    return None
+        raise _bad(name, f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
+    bias: dict[int, float] = {}
+    for key, v in value.items():
+        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT64_MAX:
+            raise _bad(name, f"logit_bias keys must be token ids written as decimal integers, got {_show(key)}")
+        if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
+                or not -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS):
+            raise _bad(name, f"logit_bias values must be numbers in [-{MAX_ABS_LOGIT_BIAS:g}, "
+                             f"{MAX_ABS_LOGIT_BIAS:g}], got {_show(v)} for token {key}")
+        bias[int(key)] = float(v)
+    return bias or None
 
 
 def _stream_options(name: str, value: Any) -> Any:
@@ -264,7 +278,7 @@ CHAT_FIELDS: dict[str, Callable] = {
 }
 SAMPLING_FIELDS = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                    "repetition_penalty", "seed", "stop", "stop_token_ids", "min_tokens", "ignore_eos",
-                   "skip_special_tokens", "include_stop_str_in_output")
+                   "skip_special_tokens", "include_stop_str_in_output", "logit_bias")
 
 
 def check_fields(body: dict, table: dict[str, Callable]) -> dict:

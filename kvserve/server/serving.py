@@ -41,6 +41,7 @@ class PreparedPrompt:
 # ------------------------------------------------------------------ prompts
 def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]:
     """Token ids of every prompt, each checked against the context and the KV cache."""
+    check_logit_bias(spec, info)
     if spec.kind == "chat":
         text = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
         prompts = [PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))]
@@ -60,6 +61,15 @@ def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]
     for prompt in prompts:
         check_context(prompt.token_ids, spec, info, param)
     return prompts
+
+
+def check_logit_bias(spec: GenerateSpec, info) -> None:
+    """The engine's vocabulary rule for ``logit_bias`` (EngineCore.validate_request), checked
+    here too so that a streamed request is refused with a 400 before any header is sent."""
+    bias = spec.params.logit_bias
+    if bias and max(bias) >= info.vocab_size:
+        raise InvalidRequestError(f"logit_bias token id {max(bias)} is outside the vocabulary "
+                                  f"[0, {info.vocab_size})", param="logit_bias")
 
 
 def check_context(token_ids: list[int], spec: GenerateSpec, info, param: str) -> None:
