@@ -74,14 +74,17 @@ class LLM:
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  priority: Sequence[int] | None = None, *, cache_salt: str | None = None,
                  adapter_id: str | None = None, use_prefix_cache: bool = True,
-                 prefix_cache_grace_s: float | None = None) -> list[RequestOutput]:
+                 prefix_cache_grace_s: float | None = None,
+                 num_speculative_tokens: int | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         ``cache_salt`` / ``adapter_id`` namespace the prefix cache (requests share cached
         KV only within one namespace); ``use_prefix_cache=False`` opts these requests
         out; ``prefix_cache_grace_s`` keeps their blocks unevictable that long after they
         finish (a conversation's next turn). ``RequestOutput.num_cached_tokens`` counts
-        prompt tokens served by the cache.
+        prompt tokens served by the cache. ``num_speculative_tokens`` caps these
+        requests' drafts per step when the engine speculates (0 = off); each output
+        counts its verified and accepted drafts.
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -99,7 +102,8 @@ class LLM:
             self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
                                     priority[i] if priority is not None else 0, cache_salt=cache_salt,
                                     adapter_id=adapter_id, use_prefix_cache=use_prefix_cache,
-                                    prefix_cache_grace_s=prefix_cache_grace_s)
+                                    prefix_cache_grace_s=prefix_cache_grace_s,
+                                    num_speculative_tokens=num_speculative_tokens)
             self.processor.add_request(request_id, text, token_ids, params)
             order.append(request_id)
         results = self._run_to_completion()
@@ -113,6 +117,10 @@ class LLM:
         if conversations and isinstance(conversations[0], dict):
             conversations = [conversations]
         return self.generate([{"messages": c} for c in conversations], sampling_params, **cache_kwargs)
+
+    def spec_stats(self) -> dict | None:
+        """Engine-wide speculation counters, or None when speculation is off."""
+        return self.engine.spec_stats()
 
     def reset_prefix_cache(self) -> int:
         """Drop every cached KV block no running request uses; returns how many."""

@@ -91,6 +91,8 @@ class OutputProcessor:
                 continue
             completion = state.output.outputs[update.sibling_index]
             state.output.num_cached_tokens = max(state.output.num_cached_tokens, update.num_cached_tokens)
+            state.output.num_draft_tokens += update.num_draft_proposed
+            state.output.num_accepted_draft_tokens += update.num_draft_accepted
             if completion.finished:
                 continue
             deltas.append(self._append(state, completion, update))
@@ -101,21 +103,26 @@ class OutputProcessor:
     def _append(self, state: _RequestState, completion: CompletionOutput,
                 update: SeqUpdate) -> CompletionDelta:
         detok = state.detokenizers[completion.index]
-        completion.token_ids.extend(update.new_token_ids)
-        delta = CompletionDelta(update.request_id, completion.index, "", list(update.new_token_ids),
+        delta = CompletionDelta(update.request_id, completion.index, "", [],
                                 [] if completion.logprobs is not None else None)
-        for sampled in update.new_logprobs:
-            if completion.logprobs is not None:
+        stopped = False
+        # One token at a time (a speculative step brings several): a stop string ends
+        # the completion at the token that completed it, exactly as without speculation.
+        for i, token_id in enumerate(update.new_token_ids):
+            completion.token_ids.append(token_id)
+            delta.token_ids.append(token_id)
+            if completion.logprobs is not None and i < len(update.new_logprobs):
+                sampled = update.new_logprobs[i]
                 entry = {sampled.token_id: sampled.logprob}
                 entry.update({tid: lp for tid, lp in sampled.top_logprobs if tid not in entry})
                 completion.logprobs.append(entry)
                 delta.logprobs.append(entry)
                 completion.cumulative_logprob += sampled.logprob
-        stopped = False
-        if update.new_token_ids:
-            released = detok.add(update.new_token_ids)
-            delta.text = released.text
-            stopped = released.stopped
+            released = detok.add([token_id])
+            delta.text += released.text
+            if released.stopped:
+                stopped = True
+                break
         if stopped and update.finish_reason is None:
             self._stop_sequence(update.seq_id)
         if stopped:

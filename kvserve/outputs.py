@@ -30,6 +30,13 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    num_draft_tokens: int = 0                  # speculative drafts verified for this request
+    num_accepted_draft_tokens: int = 0         # of those, accepted
+
+    @property
+    def draft_acceptance_rate(self) -> float | None:
+        """Accepted / verified drafts; None when the request never speculated."""
+        return self.num_accepted_draft_tokens / self.num_draft_tokens if self.num_draft_tokens else None
 
     @property
     def finished(self) -> bool:

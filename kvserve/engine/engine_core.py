@@ -22,9 +22,11 @@ from kvserve.engine.prefix_cache import PrefixCache
 from kvserve.engine.prefix_events import CacheEvent, CacheNamespace
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence
-from kvserve.engine.step import SeqUpdate
+from kvserve.engine.step import SeqUpdate, StepPlan
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
 from kvserve.sampling.params import SamplingParams
+from kvserve.spec.config import SpeculativeConfig
+from kvserve.spec.controller import SpecController
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -46,6 +48,21 @@ class EngineConfig:
     seed: int = 0                         # for unseeded sampling
     enable_prefix_cache: bool = True      # reuse KV blocks across requests (--no-prefix-cache)
     prefix_cache_grace_s: float = 0.0     # a finished request's blocks stay unevictable this long
+    # Speculative decoding: None (off), "ngram", "draft:<model>", "self:<layers>", or a
+    # kvserve.spec.config.SpeculativeConfig for the finer knobs.
+    speculative: object = None
+
+
+def _spec_config(value) -> SpeculativeConfig | None:
+    """EngineConfig.speculative as a SpeculativeConfig (None: off)."""
+    if value is None or value == "" or isinstance(value, SpeculativeConfig):
+        return value or None
+    return SpeculativeConfig.parse(str(value))
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV bytes one token takes in every layer of ``config``'s model."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -87,7 +104,12 @@ class EngineCore:
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
+        self.spec_config = _spec_config(config.speculative)
+        draft = self._load_draft_model(model) if self.spec_config and self.spec_config.method == "draft" else None
         budget = config.kv_cache_bytes or default_kv_budget_bytes(self.device, self.weight_bytes)
+        if draft is not None:       # one block id covers target and draft KV: split the budget
+            target_bpt, draft_bpt = (kv_bytes_per_token(c, self.dtype) for c in (mc, draft.config))
+            budget = budget * target_bpt // (target_bpt + draft_bpt)
         self.kv_plan = plan_kv_cache(mc, budget, self.dtype, config.block_size, self.max_model_len)
         if self.kv_plan.num_blocks < 1:
             raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {self.kv_plan.explanation}",
@@ -97,12 +119,17 @@ class EngineCore:
         self.block_pool = BlockPool(self.kv_plan.num_blocks, config.block_size)
         self.prefix_cache = PrefixCache(self.block_pool) if config.enable_prefix_cache else None
         self.weight_epoch = 0
+        self.spec_controller = (SpecController(self.spec_config.num_speculative_tokens, self.spec_config.min_gain,
+                                               self.spec_config.max_batch_size,
+                                               uses_draft_model=self.spec_config.method != "ngram")
+                                if self.spec_config else None)
         self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                                    config.prefix_cache_grace_s),
-                                   self.block_pool, self.prefix_cache)
+                                   self.block_pool, self.prefix_cache, self.spec_controller, self.max_model_len)
         backend = get_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.runner = ModelRunner(model, kv_cache, backend, config.block_size, self.device,
                                   Sampler(seed=config.seed))
+        self.proposer = self._build_proposer(model, kv_cache, draft) if self.spec_config else None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self.num_steps = 0
@@ -111,7 +138,8 @@ class EngineCore:
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     eos_token_ids: frozenset[int] | None = None, priority: int = 0, *,
                     cache_salt: str | None = None, adapter_id: str | None = None,
-                    use_prefix_cache: bool = True, prefix_cache_grace_s: float | None = None) -> None:
+                    use_prefix_cache: bool = True, prefix_cache_grace_s: float | None = None,
+                    num_speculative_tokens: int | None = None) -> None:
         """Validate and queue a request; ``params.n`` sequences share its prompt blocks.
 
         Prefix caching: the request reads and writes KV blocks of the namespace
@@ -122,6 +150,8 @@ class EngineCore:
         ``prefix_cache_grace_s`` overrides ``EngineConfig.prefix_cache_grace_s`` for this
         request: how long its blocks stay unevictable after it finishes (a conversation
         turn whose next message is expected).
+        ``num_speculative_tokens`` caps this request's drafts per step (0 = do not
+        speculate; None = the engine's setting); ignored when speculation is off.
         """
         prompt = list(prompt_token_ids)
         self.validate_request(prompt, params)
@@ -138,7 +168,8 @@ class EngineCore:
             return Sequence(seq_id=next(self._seq_ids), request_id=request_id, sibling_index=sibling,
                             prompt_token_ids=prompt, params=params, max_tokens=max_tokens,
                             eos_token_ids=eos, priority=priority, arrival_index=arrival,
-                            cache_namespace=namespace, cache_grace_s=prefix_cache_grace_s)
+                            cache_namespace=namespace, cache_grace_s=prefix_cache_grace_s,
+                            num_speculative_tokens=num_speculative_tokens)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
@@ -152,6 +183,9 @@ class EngineCore:
         vocab = self.model_config.vocab_size
         if any((not isinstance(t, int)) or t < 0 or t >= vocab for t in prompt):
             raise InvalidRequestError(f"prompt token ids must be integers in [0, {vocab})", param="prompt")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise InvalidRequestError(f"logit_bias token id {max(params.logit_bias)} is outside the "
+                                      f"vocabulary [0, {vocab})", param="logit_bias")
         if len(prompt) >= self.max_model_len:
             raise ContextLengthExceededError(
                 f"the prompt has {len(prompt)} tokens; this model's context is {self.max_model_len} tokens "
@@ -169,7 +203,9 @@ class EngineCore:
 
     def abort_request(self, request_id: str) -> list[SeqUpdate]:
         """Abort every sequence of a request now; their blocks are freed at once."""
-        return self.scheduler.abort_request(request_id)
+        updates = self.scheduler.abort_request(request_id)
+        self._forget([u.seq_id for u in updates])
+        return updates
 
     def stop_sequence(self, seq_id: int) -> None:
         """Finish one sequence with reason ``stop`` (the front end matched a stop string)."""
@@ -179,9 +215,81 @@ class EngineCore:
     def step(self) -> list[SeqUpdate]:
         """One engine step; returns what each sequence produced."""
         plan = self.scheduler.schedule()
-        result = self.runner.execute(plan)
+        if self.proposer is None or plan.is_empty:
+            result = self.runner.execute(plan)
+            self.num_steps += 1
+            return self.scheduler.update(plan, result)
+        self.proposer.propose(plan)
+        result = self.runner.execute(plan, draft_probs=self.proposer.draft_probs)
         self.num_steps += 1
-        return self.scheduler.update(plan, result)
+        updates = self.scheduler.update(plan, result)
+        self._learn(plan, result, updates)
+        return updates
+
+    def _learn(self, plan, result, updates: list[SeqUpdate]) -> None:
+        """Feed step times and verification outcomes to the speculation controller."""
+        controller = self.spec_controller
+        controller.observe_step(plan.num_tokens, result.forward_time_s)
+        for num_seqs, seconds in getattr(self.proposer, "pass_times", ()):
+            controller.observe_draft_pass(num_seqs, seconds)
+        for u in updates:
+            if u.num_draft_proposed:
+                controller.observe_verification(u.seq_id, u.num_draft_proposed, u.num_draft_accepted)
+        accepted = {seq_id: len(tokens) for seq_id, tokens in result.accepted_drafts.items()}
+        self.proposer.on_step_done(plan, accepted, [])
+        self._forget([u.seq_id for u in updates if u.finish_reason is not None] + plan.preempted_seq_ids)
+
+    def _forget(self, seq_ids: list[int]) -> None:
+        """Drop speculation state of sequences that ended or restart from scratch."""
+        if self.proposer is not None and seq_ids:
+            self.proposer.on_step_done(StepPlan(), {}, seq_ids)
+            for seq_id in seq_ids:
+                self.spec_controller.forget(seq_id)
+
+    # ------------------------------------------------------------ speculation
+    def _load_draft_model(self, target):
+        """The ``draft:<model>`` checkpoint, on the target's device and dtype; its
+        vocabulary must be the target's (the drafts are target token ids)."""
+        from kvserve.loader import load_checkpoint
+        from kvserve.models.registry import build_model
+
+        checkpoint = load_checkpoint(self.spec_config.draft_model)
+        if checkpoint.config.vocab_size != self.model_config.vocab_size:
+            raise InvalidRequestError(
+                f"the draft model's vocabulary ({checkpoint.config.vocab_size}) differs from the target's "
+                f"({self.model_config.vocab_size}): a draft must share the tokenizer", param="speculative")
+        draft = build_model(checkpoint.config)
+        draft.load_weights(checkpoint.tensors)
+        draft = draft.to(device=self.device, dtype=self.dtype).eval()
+        draft.rotary.float()
+        return draft
+
+    def _build_proposer(self, model, kv_cache: torch.Tensor, draft):
+        from kvserve.attention import get_backend
+        from kvserve.spec.draft import DraftModelProposer, truncated_model
+        from kvserve.spec.ngram import NgramProposer
+
+        spec, cfg = self.spec_config, self.config
+        if spec.method == "ngram":
+            return NgramProposer(spec.ngram_max, spec.ngram_min)
+        if spec.method == "self":
+            layers = spec.draft_layers
+            if layers > self.model_config.num_layers:
+                raise InvalidRequestError(f"self:{layers}: the model has {self.model_config.num_layers} layers",
+                                          param="speculative")
+            return DraftModelProposer(truncated_model(model, layers), kv_cache[:layers], self.runner.backend,
+                                      cfg.block_size, self.device, shares_target_kv=True, seed=cfg.seed)
+        dc = draft.config
+        draft_kv = torch.zeros((dc.num_layers, 2, self.kv_plan.num_blocks, cfg.block_size, dc.num_kv_heads,
+                                dc.head_dim), dtype=self.dtype, device=self.device)
+        backend = get_backend(cfg.attention_backend, dc.num_heads, dc.num_kv_heads, dc.head_dim)
+        return DraftModelProposer(draft, draft_kv, backend, cfg.block_size, self.device,
+                                  shares_target_kv=False, seed=cfg.seed)
+
+    def spec_stats(self) -> dict | None:
+        """Speculation counters (proposed, accepted, per position, mean accepted length,
+        steps on/off), or None when speculation is off."""
+        return self.spec_controller.stats.as_dict() if self.spec_controller else None
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

@@ -12,6 +12,7 @@ import torch
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow
+from kvserve.spec.verify import DraftGroup, verify
 
 
 class ModelRunner:
@@ -27,25 +28,49 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> StepResult:
-        """Run one step: KV block copies, one forward over all scheduled tokens, sampling."""
+    def execute(self, plan: StepPlan, draft_probs=None) -> StepResult:
+        """Run one step: KV block copies, one forward over all scheduled tokens (drafts
+        included), sampling, and verification of drafts (``kvserve.spec.verify``).
+        ``draft_probs(seq_id)`` gives a sequence's draft distributions, if it has any."""
         started = time.perf_counter()
         self._copy_blocks(plan.block_copies)
         if plan.is_empty:
             return StepResult()
+        to_sample = [s for s in plan.scheduled if s.sample]
+        logits = self.forward_logits(plan)                                         # [rows, vocab]
+        if not to_sample:
+            return StepResult(forward_time_s=time.perf_counter() - started)
+        rows, groups = [], []
+        for s in to_sample:
+            if s.draft_token_ids:
+                groups.append(DraftGroup(s.seq_id, len(rows), list(s.draft_token_ids),
+                                         draft_probs(s.seq_id) if draft_probs else None))
+            for j in range(len(s.draft_token_ids) + 1):
+                output = s.output_token_ids if j == 0 else list(s.output_token_ids) + s.draft_token_ids[:j]
+                rows.append(SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
+                                        output_token_ids=output, eos_token_ids=s.eos_token_ids,
+                                        seed_offset=s.sibling_index))
+        if not groups:
+            out = self.sampler(logits, rows)
+            sampled = {s.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
+                       for i, s in enumerate(to_sample)}
+            return StepResult(sampled=sampled, forward_time_s=time.perf_counter() - started)
+        samples, accepted, final = verify(self.sampler, logits, rows, groups)
+        sampled, row = {}, 0
+        for s in to_sample:
+            sampled[s.seq_id] = final[s.seq_id] if s.draft_token_ids else samples[row]
+            row += len(s.draft_token_ids) + 1
+        return StepResult(sampled=sampled, accepted_drafts=accepted,
+                          forward_time_s=time.perf_counter() - started)
+
+    def forward_logits(self, plan: StepPlan) -> torch.Tensor | None:
+        """One forward over the plan's tokens (drafts included); fp32 logits of the
+        sampled rows, ``[rows, vocab]`` in plan order (None if nothing samples)."""
         input_ids, positions, meta, sample_rows = self._prepare(plan)
         hidden = self.model(input_ids, positions, self.kv_cache, self.backend, meta)   # [T, hidden]
-        sampled = {}
-        to_sample = [s for s in plan.scheduled if s.sample]
-        if to_sample:
-            logits = self.model.compute_logits(hidden[sample_rows])                   # [S, vocab]
-            rows = [SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
-                                output_token_ids=s.output_token_ids, eos_token_ids=s.eos_token_ids,
-                                seed_offset=s.sibling_index) for s in to_sample]
-            out = self.sampler(logits, rows)
-            for i, s in enumerate(to_sample):
-                sampled[s.seq_id] = SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-        return StepResult(sampled=sampled, forward_time_s=time.perf_counter() - started)
+        if sample_rows.numel() == 0:
+            return None
+        return self.model.compute_logits(hidden[sample_rows])
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -64,25 +89,26 @@ class ModelRunner:
         sample_rows: list[int] = []
         for s in plan.scheduled:
             row = len(input_ids)
-            start, n = s.start_position, s.num_tokens
-            input_ids.extend(s.token_ids)
+            tokens = s.token_ids + s.draft_token_ids if s.draft_token_ids else s.token_ids
+            start, n = s.start_position, len(tokens)
+            input_ids.extend(tokens)
             positions.extend(range(start, start + n))
             table = s.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
-            num_blocks = -(-s.context_len // bs)
+            num_blocks = -(-(start + n) // bs)
             if n == 1:
                 decode_rows.append(row)
                 decode_tables.append(table[:num_blocks])
-                decode_lens.append(s.context_len)
+                decode_lens.append(start + n)
             else:
                 mask = None
                 if start > 0:
                     query_pos = torch.arange(start, start + n)
-                    mask = (torch.arange(s.context_len)[None, :] <= query_pos[:, None]).to(self.device)
+                    mask = (torch.arange(start + n)[None, :] <= query_pos[:, None]).to(self.device)
                 prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:num_blocks], device=self.device),
                                              mask))
-            if s.sample:
-                sample_rows.append(row + n - 1)
+            if s.sample:     # the last real token, then each draft: verification rows
+                sample_rows.extend(range(row + n - 1 - len(s.draft_token_ids), row + n))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills,
                                  decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens))
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),

@@ -41,10 +41,13 @@ class SchedulerConfig:
 class Scheduler:
     """Owns sequences and their block tables; produces StepPlans, consumes StepResults."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, prefix_cache: PrefixCache | None = None):
+    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, prefix_cache: PrefixCache | None = None,
+                 spec_controller=None, max_model_len: int | None = None):
         self.config = config
         self.block_pool = block_pool
         self.prefix_cache = prefix_cache       # None: no caching at all
+        self.spec = spec_controller            # kvserve.spec.controller.SpecController, or None
+        self.max_model_len = max_model_len     # drafts never run past it
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
         self._running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
@@ -127,7 +130,46 @@ class Scheduler:
             index += 1
         if not plan.preempted_seq_ids:
             budget = self._admit_waiting(plan, budget)
+        if self.spec is not None:
+            self._add_draft_slots(plan, budget)
         return plan
+
+    def _add_draft_slots(self, plan: StepPlan, budget: int) -> None:
+        """Speculative decoding: give decoding sequences room for draft tokens, as many
+        as the controller picks within the leftover budget, the sequence's own limits
+        (max_tokens, context) and the blocks free without preempting anyone."""
+        candidates, items = [], {}
+        for item in plan.scheduled:
+            seq = self._seqs.get(item.seq_id)
+            if seq is None or not item.sample or item.num_tokens != 1 or seq.num_speculative_tokens == 0:
+                continue
+            limit = seq.max_tokens - len(seq.output_token_ids) - 1        # the verified step emits limit + 1
+            if self.max_model_len is not None:
+                limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+            if seq.num_speculative_tokens is not None:
+                limit = min(limit, seq.num_speculative_tokens)
+            if limit > 0:
+                candidates.append((seq.seq_id, limit))
+                items[seq.seq_id] = (item, seq)
+        if not candidates:
+            return
+        for seq_id, k in self.spec.plan(candidates, plan.num_tokens).items():
+            item, seq = items[seq_id]
+            k = min(k, budget)
+            pool = self.block_pool
+            needed = pool.blocks_for_tokens(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
+            if needed > 0 and not self._evict_for(needed):
+                # drafts never preempt anyone: use what is free
+                k = (len(seq.block_table) + pool.num_free_blocks) * pool.block_size - seq.num_computed_tokens - 1
+                k = min(k, budget)
+                needed = pool.blocks_for_tokens(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
+            if k <= 0:
+                continue
+            if needed > 0:
+                seq.block_table.extend(self.block_pool.allocate(needed))
+                item.block_table = list(seq.block_table)
+            item.num_draft_slots = k
+            budget -= k
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
         pool = self.block_pool
@@ -292,25 +334,45 @@ class Scheduler:
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
-        """Advance computed counts, append sampled tokens, finish sequences that stop."""
+        """Advance computed counts, append sampled tokens (accepted drafts first), finish
+        sequences that stop, and give back the blocks reserved for rejected drafts."""
         updates = []
         for item in plan.scheduled:
             seq = self._seqs.get(item.seq_id)
             if seq is None or seq.is_finished or seq.status is not SeqStatus.RUNNING:
                 continue          # aborted or preempted after this plan was made
             seq.num_computed_tokens += item.num_tokens
-            self._cache_full_blocks(seq)
             if not item.sample:
+                self._cache_full_blocks(seq)
                 continue
-            sampled = result.sampled[item.seq_id]
-            seq.output_token_ids.append(sampled.token_id)
-            reason = self._stop_reason(seq, sampled.token_id)
+            accepted = result.accepted_drafts.get(item.seq_id, [])
+            emitted, reason = [], None
+            for sampled in accepted + [result.sampled[item.seq_id]]:
+                seq.output_token_ids.append(sampled.token_id)
+                emitted.append(sampled)
+                reason = self._stop_reason(seq, sampled.token_id)
+                if reason is not None:
+                    break
+            # every emitted token but the last had its KV computed in the verification pass
+            seq.num_computed_tokens += len(emitted) - 1
+            self._cache_full_blocks(seq)
             if reason is not None:
                 self._finish(seq, reason)
+            elif item.num_draft_slots:
+                self._release_draft_blocks(seq)
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index,
-                                     [sampled.token_id], [sampled],
-                                     reason.value if reason else None, seq.num_cached_tokens))
+                                     [t.token_id for t in emitted], emitted,
+                                     reason.value if reason else None, seq.num_cached_tokens,
+                                     len(item.draft_token_ids), len(accepted)))
         return updates
+
+    def _release_draft_blocks(self, seq: Sequence) -> None:
+        """Free blocks reserved for drafts that were rejected (or never proposed): a
+        sequence holds exactly the blocks of its computed tokens."""
+        keep = self.block_pool.blocks_for_tokens(seq.num_computed_tokens)
+        if len(seq.block_table) > keep:
+            self.block_pool.free(seq.block_table[keep:])
+            del seq.block_table[keep:]
 
     @staticmethod
     def _stop_reason(seq: Sequence, token_id: int) -> FinishReason | None:

@@ -53,6 +53,9 @@ class Sequence:
     cache_handle: PrefixHandle | None = None
     num_cached_tokens: int = 0            # prompt tokens served by the cache at first admission
     cache_grace_s: float | None = None    # protection after finishing; None = the scheduler's default
+    # Speculative decoding: most drafts per step for this sequence (None = the
+    # engine's setting, 0 = never speculate).
+    num_speculative_tokens: int | None = None
 
     @property
     def num_tokens(self) -> int:

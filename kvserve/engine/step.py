@@ -25,9 +25,15 @@ class ScheduledSeq:
     output_token_ids: list[int]      # read-only view for penalties / min_tokens / seeds
     eos_token_ids: frozenset[int]
     sibling_index: int
+    # Speculative decoding: the scheduler reserves blocks and budget for up to
+    # ``num_draft_slots`` drafts after ``token_ids``; the proposer fills
+    # ``draft_token_ids`` (possibly fewer) before the runner verifies them.
+    num_draft_slots: int = 0
+    draft_token_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
+        """Tokens that are certainly computed (drafts are counted separately)."""
         return len(self.token_ids)
 
     @property
@@ -48,7 +54,8 @@ class StepPlan:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+        """Tokens the forward pass computes, drafts included."""
+        return sum(s.num_tokens + len(s.draft_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -66,9 +73,14 @@ class SampledToken:
 
 @dataclass
 class StepResult:
-    """Runner output: one SampledToken per ScheduledSeq with ``sample`` set."""
+    """Runner output: one SampledToken per ScheduledSeq with ``sample`` set.
+
+    A sequence that verified drafts emits ``accepted_drafts[seq_id]`` (the drafts that
+    matched the target, in order) and then ``sampled[seq_id]``.
+    """
 
     sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
+    accepted_drafts: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_time_s: float = 0.0
 
 
@@ -83,3 +95,5 @@ class SeqUpdate:
     new_logprobs: list[SampledToken]
     finish_reason: str | None = None
     num_cached_tokens: int = 0       # prompt tokens of this request served by the prefix cache
+    num_draft_proposed: int = 0      # speculative drafts verified this step
+    num_draft_accepted: int = 0      # of those, accepted (they lead new_token_ids)

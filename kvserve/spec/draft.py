@@ -1,0 +1,154 @@
+"""Draft-model proposer: a smaller model (or the target's first layers) proposes k
+tokens autoregressively on the same paged KV layout and block ids as the target.
+
+Two ways to hold the draft's KV:
+
+- ``self:<layers>``: the draft *is* the target's first layers, so their KV is the
+  target's own (the same weights on the same tokens): the draft reads the target's
+  cache tensor for those layers and only computes the sequence's last token and
+  its drafts. Nothing extra to allocate.
+- ``draft:<model>``: its own cache tensor ``[draft layers, 2, blocks, ...]`` indexed
+  by the target's block ids (a block id covers both), so the block pool's
+  accounting covers both models. The draft mirrors every token the target
+  computes (one extra draft forward per step), so prefix-cached blocks carry draft
+  KV too.
+
+Draft tokens: greedy rows take the draft's argmax; seeded sampled rows race the
+draft's distribution against the very noise the target will draw at that position
+(coupled, so they agree whenever the two distributions nearly do); unseeded
+sampled rows sample the draft distribution and keep it for rejection sampling.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import torch
+from torch import nn
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.step import ScheduledSeq, StepPlan
+from kvserve.sampling.sampler import SamplingRow
+from kvserve.spec.verify import seeded_noise, target_distributions
+
+
+def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
+    """A view of ``model`` running only its first ``num_layers`` decoder layers (then
+    its final norm and head); parameters are shared, nothing is copied."""
+    if not 1 <= num_layers <= len(model.layers):
+        raise ValueError(f"self-draft layers must be in [1, {len(model.layers)}], got {num_layers}")
+    view = copy.copy(model)
+    view._modules = dict(model._modules)
+    view._modules["layers"] = nn.ModuleList(list(model.layers)[:num_layers])
+    return view
+
+
+class DraftModelProposer:
+    """Fills each speculating sequence's ``draft_token_ids`` with a draft model."""
+
+    def __init__(self, model: nn.Module, kv_cache: torch.Tensor, backend, block_size: int,
+                 device: torch.device, shares_target_kv: bool, seed: int = 0):
+        self.runner = ModelRunner(model, kv_cache, backend, block_size, device)
+        self.shares_target_kv = shares_target_kv
+        self.device = device
+        self._computed: dict[int, int] = {}          # seq_id -> positions with draft KV (own KV only)
+        self._probs: dict[int, torch.Tensor] = {}    # seq_id -> [n, V] this step (unseeded sampled rows)
+        self._generator = torch.Generator(device=device)
+        self._generator.manual_seed(seed)
+        self.pass_times: list[tuple[int, float]] = []   # (sequences, seconds) of this step's draft passes
+
+    def draft_probs(self, seq_id: int) -> torch.Tensor | None:
+        """The distributions the sequence's drafts were sampled from this step, if any."""
+        return self._probs.get(seq_id)
+
+    @torch.inference_mode()
+    def propose(self, plan: StepPlan) -> None:
+        """Run the draft passes for this plan and set ``draft_token_ids``."""
+        self._probs.clear()
+        self.pass_times = []
+        if not self.shares_target_kv:
+            self.runner._copy_blocks(plan.block_copies)
+        speculating = [s for s in plan.scheduled if s.num_draft_slots > 0]
+        first = [self._catch_up(s) for s in plan.scheduled
+                 if s.num_draft_slots > 0 or not self.shares_target_kv]
+        if not speculating:
+            if first:
+                self._timed_forward(StepPlan(first))   # mirror the target's KV only
+            return
+        drafts: dict[int, list[int]] = {s.seq_id: [] for s in speculating}
+        probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in speculating}
+        self._draw(speculating, self._timed_forward(StepPlan(first)), drafts, probs)
+        for j in range(1, max(s.num_draft_slots for s in speculating)):
+            active = [s for s in speculating if s.num_draft_slots > j]
+            step = StepPlan([self._draft_step(s, drafts[s.seq_id][-1], j) for s in active])
+            self._draw(active, self._timed_forward(step), drafts, probs)
+        for s in speculating:
+            s.draft_token_ids = drafts[s.seq_id]
+            if probs[s.seq_id]:
+                self._probs[s.seq_id] = torch.stack(probs[s.seq_id])
+
+    def on_step_done(self, plan: StepPlan, accepted_counts: dict[int, int], finished_seq_ids) -> None:
+        """Record how far each sequence's draft KV is valid once verification is known:
+        the real tokens, plus the accepted drafts the draft itself computed."""
+        if not self.shares_target_kv:
+            for s in plan.scheduled:
+                if s.draft_token_ids:
+                    end = s.start_position + len(s.token_ids)
+                    written = len(s.draft_token_ids) - 1          # the last draft was never fed back
+                    self._computed[s.seq_id] = end + min(accepted_counts.get(s.seq_id, 0), written)
+        for seq_id in list(plan.preempted_seq_ids) + list(finished_seq_ids):
+            self._computed.pop(seq_id, None)
+
+    # ---------------------------------------------------------------- internals
+    def _catch_up(self, s: ScheduledSeq) -> ScheduledSeq:
+        """Pass-1 work for ``s``: every token the draft has not computed up to the end
+        of this step's real tokens (just those tokens when the KV is shared)."""
+        end = s.start_position + len(s.token_ids)
+        start = s.start_position
+        if not self.shares_target_kv:
+            start = min(self._computed.get(s.seq_id, start), start)
+            self._computed[s.seq_id] = end
+        tokens = s.token_ids if start == s.start_position else _token_slice(s, start, end)
+        return ScheduledSeq(s.seq_id, list(tokens), start, s.block_table, s.num_draft_slots > 0, s.params,
+                            s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.sibling_index)
+
+    @staticmethod
+    def _draft_step(s: ScheduledSeq, token: int, j: int) -> ScheduledSeq:
+        """Feed draft ``j`` (0-based ``j - 1``-th proposal) back at its position."""
+        position = s.start_position + len(s.token_ids) + j - 1
+        return ScheduledSeq(s.seq_id, [token], position, s.block_table, True, s.params,
+                            s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.sibling_index)
+
+    def _timed_forward(self, plan: StepPlan) -> torch.Tensor | None:
+        started = time.perf_counter()
+        logits = self.runner.forward_logits(plan)
+        self.pass_times.append((sum(1 for s in plan.scheduled if s.sample), time.perf_counter() - started))
+        return logits
+
+    def _draw(self, seqs: list[ScheduledSeq], logits: torch.Tensor, drafts, probs) -> None:
+        """One draft token per sequence from its row of ``logits`` (see the module doc)."""
+        rows = [SamplingRow(s.params, s.prompt_token_ids, list(s.output_token_ids) + drafts[s.seq_id],
+                            s.eos_token_ids, s.sibling_index) for s in seqs]
+        dist = target_distributions(logits, rows)                        # [S, V]
+        vocab = dist.shape[1]
+        for i, (s, row) in enumerate(zip(seqs, rows)):
+            if s.params.is_greedy:
+                token = int(dist[i].argmax())
+            else:
+                if s.params.seed is not None:
+                    noise = seeded_noise(row, vocab, self.device)
+                else:
+                    noise = torch.empty(vocab, device=self.device).exponential_(generator=self._generator)
+                    noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+                    probs[s.seq_id].append(dist[i])
+                token = int((dist[i] / noise).argmax())
+            drafts[s.seq_id].append(token)
+
+
+def _token_slice(s: ScheduledSeq, start: int, end: int) -> list[int]:
+    """Token ids at positions ``[start, end)`` of ``s``'s prompt + output."""
+    prompt = s.prompt_token_ids
+    if end <= len(prompt):
+        return list(prompt[start:end])
+    return (list(prompt[start:]) + list(s.output_token_ids[max(0, start - len(prompt)):end - len(prompt)])
+            if start < len(prompt) else list(s.output_token_ids[start - len(prompt):end - len(prompt)]))

@@ -1,0 +1,52 @@
+"""N-gram prompt lookup: propose the tokens that followed the latest earlier
+occurrence of the sequence's last n tokens (prompt and output so far).
+
+Strong where the answer copies its input (code edits, summaries, RAG answers).
+Pure CPU work on token ids; the proposal is a point mass (no draft distribution),
+so verification by matching the target's own samples is exact rejection sampling.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+
+def propose_ngram(token_ids: list[int], num_tokens: int, ngram_max: int, ngram_min: int) -> list[int]:
+    """Up to ``num_tokens`` ids continuing the longest suffix (``ngram_max`` down to
+    ``ngram_min`` tokens) that also occurs earlier in ``token_ids``; the most recent
+    earlier occurrence wins. ``[]`` when nothing matches."""
+    total = len(token_ids)
+    if num_tokens <= 0 or total < ngram_min + 1:
+        return []
+    tokens = np.asarray(token_ids, dtype=np.int64)
+    for n in range(min(ngram_max, total - 1), ngram_min - 1, -1):
+        suffix = tokens[total - n:]
+        # candidate starts i with tokens[i:i+n] == suffix and i + n < total (something follows)
+        windows = sliding_window_view(tokens[:total - 1], n)           # starts 0 .. total-1-n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + num_tokens].tolist()
+    return []
+
+
+class NgramProposer:
+    """Fills each speculating sequence's drafts by prompt lookup (no model, no KV)."""
+
+    def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
+        self.ngram_max = ngram_max
+        self.ngram_min = ngram_min
+
+    def propose(self, plan) -> None:
+        """Set ``draft_token_ids`` (at most ``num_draft_slots``) on the plan's speculating sequences."""
+        for s in plan.scheduled:
+            if s.num_draft_slots > 0:
+                tokens = list(s.prompt_token_ids) + list(s.output_token_ids)
+                s.draft_token_ids = propose_ngram(tokens, s.num_draft_slots, self.ngram_max, self.ngram_min)
+
+    def draft_probs(self, seq_id: int):
+        """Point-mass proposals: no draft distribution."""
+        return None
+
+    def on_step_done(self, plan, result, finished_seq_ids) -> None:
+        """Nothing to roll back: the proposer keeps no per-sequence state."""

@@ -1,0 +1,121 @@
+"""Verification of drafts inside the runner's one batched forward pass.
+
+Every speculating sequence contributes ``n + 1`` sampling rows (its last real token
+and its ``n`` drafts); row ``j`` is sampled exactly as a non-speculative step would
+sample the token at that position: penalties see the drafts before it as output,
+seeded rows draw the noise of that output position. The accepted prefix is where
+the drafts equal those samples, then the first sample that differs (or the bonus
+token). For point-mass proposals (n-gram, greedy or seed-coupled drafts) that is
+exact rejection sampling and reproduces the non-speculative tokens one for one.
+Unseeded sampled rows with a draft *distribution* use textbook rejection sampling
+(:mod:`kvserve.spec.rejection`), which accepts more often.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.engine.step import SampledToken
+from kvserve.sampling.sampler import (SamplingRow, _raw_logprobs, apply_filters, apply_temperature,
+                                      derive_row_seed, process_logits)
+from kvserve.spec.rejection import rejection_sample
+
+
+def target_distributions(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+    """The distribution each row's token is drawn from, ``[R, V]``: one-hot at the
+    processed argmax for greedy rows; softmax after temperature and filters otherwise."""
+    processed = process_logits(raw.float(), rows)
+    probs = torch.zeros_like(processed)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    sampled = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if greedy:
+        probs[greedy] = torch.nn.functional.one_hot(processed[greedy].argmax(dim=-1),
+                                                    processed.shape[1]).to(probs.dtype)
+    if sampled:
+        sel = [rows[i].params for i in sampled]
+        dev, dt = processed.device, processed.dtype
+        scaled = apply_temperature(processed[sampled], torch.tensor([p.temperature for p in sel], dtype=dt,
+                                                                    device=dev))
+        filtered = apply_filters(scaled, torch.tensor([p.top_k for p in sel], dtype=torch.long, device=dev),
+                                 torch.tensor([p.top_p for p in sel], dtype=dt, device=dev),
+                                 torch.tensor([p.min_p for p in sel], dtype=dt, device=dev))
+        probs[sampled] = filtered.softmax(dim=-1)
+    return probs
+
+
+def seeded_noise(row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise a seeded row draws at its current output position (the sampler's)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(derive_row_seed(row.params.seed, row.seed_offset, len(row.output_token_ids)))
+    noise = torch.empty(vocab_size, device=device).exponential_(generator=gen)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+@dataclass
+class DraftGroup:
+    """One speculating sequence's rows: ``first_row`` is its last real token."""
+
+    seq_id: int
+    first_row: int
+    draft_token_ids: list[int]
+    draft_probs: torch.Tensor | None = None     # [n, V] when drafts were sampled from a distribution
+
+
+def verify(sampler, logits: torch.Tensor, rows: list[SamplingRow], groups: list[DraftGroup],
+           generator: torch.Generator | None = None
+           ) -> tuple[list[SampledToken], dict[int, list[SampledToken]], dict[int, SampledToken]]:
+    """Sample every row, then settle each group's drafts.
+
+    Returns ``(per-row samples, accepted drafts by seq_id, final token by seq_id)``.
+    """
+    out = sampler(logits, rows)
+    samples = [SampledToken(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)]
+    accepted: dict[int, list[SampledToken]] = {}
+    final: dict[int, SampledToken] = {}
+    rejection = [g for g in groups if g.draft_probs is not None and _is_unseeded_sampled(rows[g.first_row])]
+    rejection_ids = {g.seq_id for g in rejection}
+    for g in groups:
+        if g.seq_id in rejection_ids:
+            continue
+        count = 0
+        for j, draft in enumerate(g.draft_token_ids):
+            if samples[g.first_row + j].token_id != draft:
+                break
+            count += 1
+        accepted[g.seq_id] = samples[g.first_row:g.first_row + count]
+        final[g.seq_id] = samples[g.first_row + count]
+    if rejection:
+        _rejection_groups(logits, rows, rejection, generator, accepted, final)
+    return samples, accepted, final
+
+
+def _is_unseeded_sampled(row: SamplingRow) -> bool:
+    return not row.params.is_greedy and row.params.seed is None
+
+
+def _rejection_groups(logits, rows, groups, generator, accepted, final) -> None:
+    """Textbook rejection sampling for groups whose drafts came from a distribution."""
+    k_max = max(len(g.draft_token_ids) for g in groups)
+    vocab = logits.shape[1]
+    device = logits.device
+    target = torch.zeros(len(groups), k_max + 1, vocab, device=device)
+    draft = torch.zeros(len(groups), k_max, vocab, device=device)
+    tokens = torch.zeros(len(groups), k_max, dtype=torch.long, device=device)
+    for b, g in enumerate(groups):
+        n = len(g.draft_token_ids)
+        span = list(range(g.first_row, g.first_row + n + 1))
+        target[b, :n + 1] = target_distributions(logits[span], [rows[i] for i in span])
+        draft[b, :n] = g.draft_probs[:n]
+        tokens[b, :n] = torch.tensor(g.draft_token_ids, dtype=torch.long, device=device)
+    num_drafts = torch.tensor([len(g.draft_token_ids) for g in groups], dtype=torch.long, device=device)
+    num_accepted, final_tokens = rejection_sample(target, draft, tokens, num_drafts, generator)
+    for b, g in enumerate(groups):
+        a = int(num_accepted[b])
+        chosen = g.draft_token_ids[:a] + [int(final_tokens[b])]
+        span = list(range(g.first_row, g.first_row + a + 1))
+        lps, tops = _raw_logprobs(logits[span].float(), [rows[i] for i in span],
+                                  torch.tensor(chosen, dtype=torch.long, device=device))
+        toks = [SampledToken(t, lp, top) for t, lp, top in zip(chosen, lps, tops)]
+        accepted[g.seq_id] = toks[:-1]
+        final[g.seq_id] = toks[-1]
