@@ -49,7 +49,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True      # reuse KV blocks across requests (--no-prefix-cache)
     prefix_cache_grace_s: float = 0.0     # a finished request's blocks stay unevictable this long
     # Speculative decoding: None (off), "ngram", "draft:<model>", "self:<layers>", or a
-    # kvserve.spec.config.SpeculativeConfig for the finer knobs.
+    # kvserve.spec.config.SpeculativeConfig (or a dict of its fields) for the finer knobs.
     speculative: object = None
 
 
@@ -57,6 +57,8 @@ def _spec_config(value) -> SpeculativeConfig | None:
     """EngineConfig.speculative as a SpeculativeConfig (None: off)."""
     if value is None or value == "" or isinstance(value, SpeculativeConfig):
         return value or None
+    if isinstance(value, dict):
+        return SpeculativeConfig(**value)
     return SpeculativeConfig.parse(str(value))
 
 
@@ -339,4 +341,14 @@ class EngineCore:
             "prefix_cache_hit_rate": cache.hit_rate if cache else 0.0,
             "prefix_cache_evicted_blocks": cache.num_evicted_blocks if cache else 0,
             "prefix_cache_blocks": cache.num_cached_blocks if cache else 0,
+            **self._spec_stats_flat(),
         }
+
+    def _spec_stats_flat(self) -> dict:
+        spec = self.spec_stats()
+        if spec is None:
+            return {"spec_enabled": 0}
+        return {"spec_enabled": 1, "spec_num_proposed": spec["num_proposed"],
+                "spec_num_accepted": spec["num_accepted"], "spec_num_verifications": spec["num_verifications"],
+                "spec_num_steps_on": spec["num_steps_on"], "spec_num_steps_off": spec["num_steps_off"],
+                "spec_accepted_per_position": spec["accepted_per_position"]}

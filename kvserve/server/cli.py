@@ -36,6 +36,10 @@ def register(subparsers) -> None:
     eng.add_argument("--prefix-cache-grace-s", type=float, default=30.0,
                      help="seconds a finished request's cached blocks stay unevictable (default 30, so a "
                           "chat's live turn survives between messages)")
+    eng.add_argument("--speculative", default=None, metavar="ngram|draft:MODEL|self:LAYERS",
+                     help="speculative decoding: n-gram prompt lookup, a draft model sharing the tokenizer, "
+                          "or the model's own first layers")
+    eng.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step")
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queued-requests", type=int, default=256,
                      help="requests admitted but not yet scheduled; past it: 503 + Retry-After")
@@ -63,7 +67,20 @@ def engine_config_from_args(args, model_path: str) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
-            "cpus": pin_cpus(args.engine_cpus)}
+            "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus)}
+
+
+def speculative_config(args):
+    """``--speculative`` / ``--num-speculative-tokens`` as SpeculativeConfig fields (a
+    plain dict: it travels to the engine process in the codec; None: off)."""
+    import dataclasses
+
+    from kvserve.spec.config import SpeculativeConfig
+    spec = getattr(args, "speculative", None)
+    if not spec:
+        return None
+    return dataclasses.asdict(SpeculativeConfig.parse(
+        spec, num_speculative_tokens=getattr(args, "num_speculative_tokens", 4)))
 
 
 def model_names(model_path: str, served: str | None) -> tuple[str, frozenset[str]]:

@@ -67,6 +67,7 @@ class AddRequest:
     tenant: str | None = None
     cache_salt: str | None = None
     use_prefix_cache: bool = True
+    num_speculative_tokens: int | None = None      # None: the engine's setting; 0: no speculation
 
 
 @dataclass
@@ -143,13 +144,13 @@ def _sampled_from_wire(raw: list) -> SampledToken:
 def _update_to_wire(u: SeqUpdate) -> list:
     return [u.seq_id, u.request_id, u.sibling_index, list(u.new_token_ids),
             [_sampled_to_wire(s) for s in u.new_logprobs if s.logprob is not None], u.finish_reason,
-            u.num_cached_tokens]
+            u.num_cached_tokens, u.num_draft_proposed, u.num_draft_accepted]
 
 
 def _update_from_wire(raw: list) -> SeqUpdate:
-    seq_id, request_id, sibling, tokens, logprobs, finish, num_cached = raw
+    seq_id, request_id, sibling, tokens, logprobs, finish, num_cached, proposed, accepted = raw
     return SeqUpdate(seq_id, request_id, sibling, list(tokens), [_sampled_from_wire(s) for s in logprobs],
-                     finish, num_cached)
+                     finish, num_cached, proposed, accepted)
 
 
 def to_wire(message) -> dict:

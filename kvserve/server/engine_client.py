@@ -125,7 +125,8 @@ class EngineClient:
     # -------------------------------------------------------------- requests
     def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str | None,
                params: SamplingParams, sink: asyncio.Queue, tag: int, arrival: float,
-               tenant: str | None = None, priority: int = 0, use_prefix_cache: bool = True) -> None:
+               tenant: str | None = None, priority: int = 0, use_prefix_cache: bool = True,
+               num_speculative_tokens: int | None = None) -> None:
         """Send a validated request to the engine; its events go to ``sink`` tagged ``tag``."""
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
@@ -134,7 +135,8 @@ class EngineClient:
         self.metrics.prompt_tokens.inc(len(prompt_token_ids))
         self._send(codec.AddRequest(request_id, list(prompt_token_ids), params,
                                     sorted(self.tokenizer.eos_token_ids), priority, tenant,
-                                    cache_salt=cache_salt(tenant), use_prefix_cache=use_prefix_cache))
+                                    cache_salt=cache_salt(tenant), use_prefix_cache=use_prefix_cache,
+                                    num_speculative_tokens=num_speculative_tokens))
 
     async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
         """Admin: have the engine drop every prefix-cached block no running request uses;

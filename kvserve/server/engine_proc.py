@@ -89,7 +89,8 @@ class EngineLoop:
             # prefix cache: tenants never share KV blocks.
             self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, eos,
                                     message.priority, cache_salt=message.cache_salt,
-                                    use_prefix_cache=bool(message.use_prefix_cache))
+                                    use_prefix_cache=bool(message.use_prefix_cache),
+                                    num_speculative_tokens=message.num_speculative_tokens)
         except KVServeError as err:
             self.send(codec.RequestError(message.request_id, err.http_status, err.to_dict()))
             return

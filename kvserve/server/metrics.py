@@ -112,6 +112,16 @@ class ServerMetrics:
         self.prefix_evicted = c("kvserve_prefix_cache_evicted_blocks_total",
                                 "Cached blocks evicted (reused for other requests or dropped by a reset).")
         self.prefix_blocks = g("kvserve_prefix_cache_blocks", "Blocks the prefix cache indexes.")
+        self.spec_proposed = c("kvserve_spec_draft_tokens_total", "Speculative draft tokens verified.")
+        self.spec_accepted = c("kvserve_spec_accepted_tokens_total", "Speculative draft tokens accepted.")
+        self.spec_accepted_pos = c("kvserve_spec_accepted_tokens_per_position_total",
+                                   "Verifications that accepted the draft at this position (0 = first).")
+        self.spec_verifications = c("kvserve_spec_verifications_total",
+                                    "Sequence-steps that verified at least one draft.")
+        self.spec_mean_len = g("kvserve_spec_mean_accepted_length",
+                               "Draft tokens accepted per verification, since start.")
+        self.spec_steps_off = c("kvserve_spec_steps_off_total",
+                                "Decode steps where speculation was switched off because it would not pay.")
         self.ready = g("kvserve_ready", "1 when /ready answers 200.")
         self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
         self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
@@ -122,7 +132,9 @@ class ServerMetrics:
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
-                     self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks, self.ready, self.integrity, self.preemptions,
+                     self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
+                     self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
+                     self.spec_mean_len, self.spec_steps_off, self.ready, self.integrity, self.preemptions,
                      self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
                      self.rejected]
 
@@ -141,6 +153,15 @@ class ServerMetrics:
         self.preemptions.set_total(stats.get("num_preemptions", 0))
         self.engine_steps.set_total(stats.get("num_steps", 0))
         self.integrity.set(1 if stats.get("integrity_ok", True) else 0)
+        if stats.get("spec_enabled"):
+            self.spec_proposed.set_total(stats.get("spec_num_proposed", 0))
+            self.spec_accepted.set_total(stats.get("spec_num_accepted", 0))
+            self.spec_verifications.set_total(stats.get("spec_num_verifications", 0))
+            self.spec_steps_off.set_total(stats.get("spec_num_steps_off", 0))
+            verifications = stats.get("spec_num_verifications", 0)
+            self.spec_mean_len.set(stats.get("spec_num_accepted", 0) / verifications if verifications else 0.0)
+            for position, count in enumerate(stats.get("spec_accepted_per_position", [])):
+                self.spec_accepted_pos.set_total(count, position=str(position))
 
     def render(self) -> str:
         lines = []

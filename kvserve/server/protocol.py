@@ -54,6 +54,7 @@ class GenerateSpec:
     deadline_s: float | None = None
     priority: int = 0
     use_prefix_cache: bool = True               # vLLM-style extension: false opts out of the prefix cache
+    num_speculative_tokens: int | None = None   # extension: most drafts per step (0 = off; None = server's)
 
 
 # ------------------------------------------------------------------ JSON body
@@ -246,6 +247,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "deadline_s": _number(0.0, MAX_DEADLINE_S, open_lo=True),
     "priority": _int(-MAX_PRIORITY, MAX_PRIORITY),
     "use_prefix_cache": _bool,
+    "num_speculative_tokens": _int(0, 16),
     "service_tier": _only_null("service tiers"),
     "metadata": _only_null("metadata storage"),
     "store": _only_null("storing completions"),
@@ -353,7 +355,8 @@ def parse_completion(body: dict) -> GenerateSpec:
                         stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
                         logprobs=values.get("logprobs"), user=values.get("user"),
                         deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
-                        use_prefix_cache=values.get("use_prefix_cache") is not False)
+                        use_prefix_cache=values.get("use_prefix_cache") is not False,
+                        num_speculative_tokens=values.get("num_speculative_tokens"))
 
 
 def _chat_max_tokens(values: dict) -> tuple[int | None, str]:
@@ -383,7 +386,8 @@ def parse_chat(body: dict) -> GenerateSpec:
                         max_tokens_param=max_param, stream=stream, include_usage=include_usage,
                         logprobs=logprobs, user=values.get("user"), deadline_s=values.get("deadline_s"),
                         priority=values.get("priority") or 0,
-                        use_prefix_cache=values.get("use_prefix_cache") is not False)
+                        use_prefix_cache=values.get("use_prefix_cache") is not False,
+                        num_speculative_tokens=values.get("num_speculative_tokens"))
 
 
 def parse_tokenize(body: dict) -> dict:

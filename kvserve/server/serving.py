@@ -121,7 +121,8 @@ class Generation:
         for tag, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
             self.ctx.client.submit(engine_id, prompt.token_ids, prompt.text, self.spec.params, self.sink, tag,
                                    self.arrival, tenant=self.tenant, priority=self.spec.priority,
-                                   use_prefix_cache=self.spec.use_prefix_cache)
+                                   use_prefix_cache=self.spec.use_prefix_cache,
+                                   num_speculative_tokens=self.spec.num_speculative_tokens)
         logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r", self.id, len(self.prompts),
                      self.num_prompt_tokens, self.spec.user, self.tenant)
         deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s
