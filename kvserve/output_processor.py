@@ -31,6 +31,7 @@ class CompletionDelta:
     logprobs: list[dict[int, float]] | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
+    prompt_logprobs: list[dict[int, float]] | None = None   # prompt tokens' entries this update added
 
 
 @dataclass
@@ -50,7 +51,8 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
                     params: SamplingParams) -> None:
-        output = RequestOutput(request_id, prompt, list(prompt_token_ids))
+        output = RequestOutput(request_id, prompt, list(prompt_token_ids),
+                               prompt_logprobs=[None] if params.prompt_logprobs is not None else None)
         state = _RequestState(output, params)
         for index in range(params.n):
             output.outputs.append(CompletionOutput(index=index, text="", token_ids=[],
@@ -95,7 +97,11 @@ class OutputProcessor:
             state.output.num_accepted_draft_tokens += update.num_draft_accepted
             if completion.finished:
                 continue
-            deltas.append(self._append(state, completion, update))
+            delta = self._append(state, completion, update)
+            if update.prompt_logprobs and state.output.prompt_logprobs is not None:
+                delta.prompt_logprobs = [_entry(s) for s in update.prompt_logprobs]
+                state.output.prompt_logprobs.extend(delta.prompt_logprobs)
+            deltas.append(delta)
             if state.output.finished:
                 finished.append(self._requests.pop(update.request_id).output)
         return finished, deltas
@@ -113,8 +119,7 @@ class OutputProcessor:
             delta.token_ids.append(token_id)
             if completion.logprobs is not None and i < len(update.new_logprobs):
                 sampled = update.new_logprobs[i]
-                entry = {sampled.token_id: sampled.logprob}
-                entry.update({tid: lp for tid, lp in sampled.top_logprobs if tid not in entry})
+                entry = _entry(sampled)
                 completion.logprobs.append(entry)
                 delta.logprobs.append(entry)
                 completion.cumulative_logprob += sampled.logprob
@@ -137,3 +142,10 @@ class OutputProcessor:
         completion.text += delta.text
         delta.finish_reason, delta.stop_reason = completion.finish_reason, completion.stop_reason
         return delta
+
+
+def _entry(sampled) -> dict[int, float]:
+    """``{chosen id: lp, top-k ids: lp}`` for one SampledToken."""
+    entry = {sampled.token_id: sampled.logprob}
+    entry.update({tid: lp for tid, lp in sampled.top_logprobs if tid not in entry})
+    return entry

@@ -30,6 +30,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
     num_cached_tokens: int = 0
+    # prompt_logprobs: one {prompt token id: lp, top-k ids: lp} per prompt token; None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     num_draft_tokens: int = 0                  # speculative drafts verified for this request
     num_accepted_draft_tokens: int = 0         # of those, accepted
 

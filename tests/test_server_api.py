@@ -182,6 +182,31 @@ def test_logprobs_echo_n_and_usage(client):
     assert content[0].top_logprobs[0].logprob >= content[0].top_logprobs[1].logprob
 
 
+def test_echo_with_logprobs(client):
+    """echo + logprobs: the prompt's tokens lead the logprobs (the first with null), whole
+    and streamed alike, and the prompt tokens' logprobs are the model's."""
+    prompt = "The capital of France is Paris. The capital of Italy is"
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    lp = r.choices[0].logprobs
+    num_prompt = r.usage.prompt_tokens
+    assert len(lp.tokens) == num_prompt + 3 == len(lp.token_logprobs) == len(lp.top_logprobs)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(v is not None and v <= 0 for v in lp.token_logprobs[1:])
+    assert "".join(lp.tokens[:num_prompt]) == prompt
+    assert lp.text_offset[:2] == [0, len(lp.tokens[0])] and lp.text_offset[num_prompt] == len(prompt)
+    # " Rome" after "The capital of Italy is" is likely: the prompt's own logprobs are real
+    assert max(lp.token_logprobs[1:num_prompt]) > -1.0
+    stream = client.completions.create(model=MODEL, prompt=prompt, max_tokens=3, temperature=0, echo=True,
+                                       logprobs=2, stream=True)
+    tokens, values = [], []
+    for chunk in stream:
+        if chunk.choices and chunk.choices[0].logprobs is not None:
+            tokens += chunk.choices[0].logprobs.tokens
+            values += chunk.choices[0].logprobs.token_logprobs
+    assert tokens == lp.tokens
+    assert values[0] is None and values[1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
 def _token_id(server, text: str) -> int:
     """The id of ``text`` when it is exactly one token (via /tokenize)."""
     r = httpx.post(server.url + "/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=60,

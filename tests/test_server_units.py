@@ -76,7 +76,6 @@ def test_json_body_rules():
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
     ({"prompt": "x", "suffix": "y"}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
-    ({"prompt": "x", "echo": True, "logprobs": 1}, "echo"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
     ({"prompt": [1, "a"]}, "prompt"),

@@ -164,7 +164,8 @@ class EngineCore:
         eos = frozenset(self.model_config.eos_token_ids) if eos_token_ids is None else frozenset(eos_token_ids)
         arrival = next(self._arrivals)
         namespace = (CacheNamespace(adapter_id, self.weight_epoch, cache_salt)
-                     if self.prefix_cache is not None and use_prefix_cache else None)
+                     if self.prefix_cache is not None and use_prefix_cache and params.prompt_logprobs is None
+                     else None)      # prompt logprobs need every prompt position computed
 
         def make(sibling: int) -> Sequence:
             return Sequence(seq_id=next(self._seq_ids), request_id=request_id, sibling_index=sibling,

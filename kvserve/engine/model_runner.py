@@ -37,9 +37,11 @@ class ModelRunner:
         if plan.is_empty:
             return StepResult()
         to_sample = [s for s in plan.scheduled if s.sample]
-        logits = self.forward_logits(plan)                                         # [rows, vocab]
+        hidden, sample_rows = self._forward(plan)
+        prompt_lps = self._prompt_logprobs(plan, hidden)
         if not to_sample:
-            return StepResult(forward_time_s=time.perf_counter() - started)
+            return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
+        logits = self.model.compute_logits(hidden[sample_rows])                   # [rows, vocab]
         rows, groups = [], []
         for s in to_sample:
             if s.draft_token_ids:
@@ -54,23 +56,54 @@ class ModelRunner:
             out = self.sampler(logits, rows)
             sampled = {s.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
                        for i, s in enumerate(to_sample)}
-            return StepResult(sampled=sampled, forward_time_s=time.perf_counter() - started)
+            return StepResult(sampled=sampled, prompt_logprobs=prompt_lps,
+                              forward_time_s=time.perf_counter() - started)
         samples, accepted, final = verify(self.sampler, logits, rows, groups)
         sampled, row = {}, 0
         for s in to_sample:
             sampled[s.seq_id] = final[s.seq_id] if s.draft_token_ids else samples[row]
             row += len(s.draft_token_ids) + 1
-        return StepResult(sampled=sampled, accepted_drafts=accepted,
+        return StepResult(sampled=sampled, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
                           forward_time_s=time.perf_counter() - started)
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward over the plan's tokens (drafts included); fp32 logits of the
         sampled rows, ``[rows, vocab]`` in plan order (None if nothing samples)."""
-        input_ids, positions, meta, sample_rows = self._prepare(plan)
-        hidden = self.model(input_ids, positions, self.kv_cache, self.backend, meta)   # [T, hidden]
+        hidden, sample_rows = self._forward(plan)
         if sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[sample_rows])
+
+    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of every token ``[T, hidden]`` and the sampled rows."""
+        input_ids, positions, meta, sample_rows = self._prepare(plan)
+        return self.model(input_ids, positions, self.kv_cache, self.backend, meta), sample_rows
+
+    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
+                         rows_per_pass: int = 256) -> dict[int, list[SampledToken]]:
+        """For chunks that want them: the raw logprob (and top-k) of each prompt token
+        the chunk predicts, i.e. prompt[p + 1] from the hidden state at position p."""
+        result: dict[int, list[SampledToken]] = {}
+        row = 0
+        for s in plan.scheduled:
+            n = s.num_tokens + len(s.draft_token_ids)
+            if s.want_prompt_logprobs:
+                last = min(s.start_position + s.num_tokens, len(s.prompt_token_ids) - 1)
+                count = last - s.start_position
+                targets = list(s.prompt_token_ids[s.start_position + 1:last + 1])
+                k = s.params.prompt_logprobs
+                entries: list[SampledToken] = []
+                for lo in range(0, count, rows_per_pass):       # bounded [rows, vocab] memory
+                    hi = min(count, lo + rows_per_pass)
+                    lp = torch.log_softmax(self.model.compute_logits(hidden[row + lo:row + hi]), dim=-1)
+                    chosen = lp.gather(1, torch.tensor(targets[lo:hi], device=lp.device)[:, None]).squeeze(1)
+                    tops = lp.topk(k, dim=-1) if k else None
+                    for i, value in enumerate(chosen.tolist()):
+                        top = (list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if k else [])
+                        entries.append(SampledToken(targets[lo + i], value, top))
+                result[s.seq_id] = entries
+            row += n
+        return result
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:

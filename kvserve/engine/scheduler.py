@@ -330,7 +330,10 @@ class Scheduler:
             sample=start + num_new == seq.num_tokens and not seq.pending_fork,
             params=seq.params, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids, eos_token_ids=seq.eos_token_ids,
-            sibling_index=seq.sibling_index)
+            sibling_index=seq.sibling_index,
+            want_prompt_logprobs=(seq.params.prompt_logprobs is not None and seq.sibling_index == 0
+                                  and start + num_new > seq.num_prompt_logprobs_done - 1
+                                  and start < len(seq.prompt_token_ids) - 1))
 
     # ---------------------------------------------------------------- update
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
@@ -342,8 +345,12 @@ class Scheduler:
             if seq is None or seq.is_finished or seq.status is not SeqStatus.RUNNING:
                 continue          # aborted or preempted after this plan was made
             seq.num_computed_tokens += item.num_tokens
+            prompt_lps = self._new_prompt_logprobs(seq, item, result)
             if not item.sample:
                 self._cache_full_blocks(seq)
+                if prompt_lps:
+                    updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index, [], [], None,
+                                             seq.num_cached_tokens, prompt_logprobs=prompt_lps))
                 continue
             accepted = result.accepted_drafts.get(item.seq_id, [])
             emitted, reason = [], None
@@ -363,8 +370,20 @@ class Scheduler:
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index,
                                      [t.token_id for t in emitted], emitted,
                                      reason.value if reason else None, seq.num_cached_tokens,
-                                     len(item.draft_token_ids), len(accepted)))
+                                     len(item.draft_token_ids), len(accepted), prompt_lps))
         return updates
+
+    @staticmethod
+    def _new_prompt_logprobs(seq: Sequence, item: ScheduledSeq, result: StepResult) -> list:
+        """The prompt logprobs this chunk produced that were not reported before."""
+        produced = result.prompt_logprobs.get(item.seq_id)
+        if not produced:
+            return []
+        first_position = item.start_position + 1              # position of produced[0]
+        skip = max(0, seq.num_prompt_logprobs_done - first_position)
+        fresh = produced[skip:]
+        seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, first_position + len(produced))
+        return fresh
 
     def _release_draft_blocks(self, seq: Sequence) -> None:
         """Free blocks reserved for drafts that were rejected (or never proposed): a

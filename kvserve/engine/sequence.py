@@ -56,6 +56,9 @@ class Sequence:
     # Speculative decoding: most drafts per step for this sequence (None = the
     # engine's setting, 0 = never speculate).
     num_speculative_tokens: int | None = None
+    # prompt_logprobs: prompt positions whose logprob was already reported (a recompute
+    # after preemption does not report them twice). Position 0 has none.
+    num_prompt_logprobs_done: int = 1
 
     @property
     def num_tokens(self) -> int:

@@ -30,6 +30,9 @@ class ScheduledSeq:
     # ``draft_token_ids`` (possibly fewer) before the runner verifies them.
     num_draft_slots: int = 0
     draft_token_ids: list[int] = field(default_factory=list)
+    # prompt_logprobs: also return the logprob of each prompt token this chunk predicts
+    # (the token after each position, while it is still a prompt token).
+    want_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -81,6 +84,8 @@ class StepResult:
 
     sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
     accepted_drafts: dict[int, list[SampledToken]] = field(default_factory=dict)
+    # seq_id -> logprobs of prompt tokens start_position + 1 .. (in order), when asked
+    prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_time_s: float = 0.0
 
 
@@ -97,3 +102,4 @@ class SeqUpdate:
     num_cached_tokens: int = 0       # prompt tokens of this request served by the prefix cache
     num_draft_proposed: int = 0      # speculative drafts verified this step
     num_draft_accepted: int = 0      # of those, accepted (they lead new_token_ids)
+    prompt_logprobs: list[SampledToken] = field(default_factory=list)   # next prompt tokens' logprobs

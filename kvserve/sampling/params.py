@@ -57,6 +57,9 @@ class SamplingParams:
       stopping rules, applied by the scheduler/detokeniser (not the sampler).
     - ``logprobs``: ``None`` = off; ``k >= 0`` = the chosen token's logprob plus the
       top-k alternatives, all under the model's raw distribution.
+    - ``prompt_logprobs``: ``None`` = off; ``k >= 0`` = each prompt token's logprob (given
+      the tokens before it) plus the top-k alternatives; the first token has none.
+      Such a request bypasses the prefix cache (a cached prefix is never recomputed).
     - ``skip_special_tokens``: detokeniser option.
     - ``logit_bias``: ``{token id: bias}`` (OpenAI semantics, at most ``MAX_LOGIT_BIAS``
       entries, each bias in [-100, 100]); the bias is added to the model's logits before
@@ -80,6 +83,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     logit_bias: dict[int, float] | None = None
 
@@ -215,6 +219,10 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             _fail("logprobs", f"logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
                               f"got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not _is_int(self.prompt_logprobs)
+                                                 or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS):
+            _fail("prompt_logprobs", f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}] or null, "
+                                     f"got {self.prompt_logprobs!r}")
         for name in ("include_stop_str_in_output", "ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 _fail(name, f"{name} must be a boolean, got {getattr(self, name)!r}")

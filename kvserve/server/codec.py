@@ -144,13 +144,14 @@ def _sampled_from_wire(raw: list) -> SampledToken:
 def _update_to_wire(u: SeqUpdate) -> list:
     return [u.seq_id, u.request_id, u.sibling_index, list(u.new_token_ids),
             [_sampled_to_wire(s) for s in u.new_logprobs if s.logprob is not None], u.finish_reason,
-            u.num_cached_tokens, u.num_draft_proposed, u.num_draft_accepted]
+            u.num_cached_tokens, u.num_draft_proposed, u.num_draft_accepted,
+            [_sampled_to_wire(s) for s in u.prompt_logprobs]]
 
 
 def _update_from_wire(raw: list) -> SeqUpdate:
-    seq_id, request_id, sibling, tokens, logprobs, finish, num_cached, proposed, accepted = raw
+    seq_id, request_id, sibling, tokens, logprobs, finish, num_cached, proposed, accepted, prompt_lps = raw
     return SeqUpdate(seq_id, request_id, sibling, list(tokens), [_sampled_from_wire(s) for s in logprobs],
-                     finish, num_cached, proposed, accepted)
+                     finish, num_cached, proposed, accepted, [_sampled_from_wire(s) for s in prompt_lps])
 
 
 def to_wire(message) -> dict:

@@ -345,10 +345,10 @@ def parse_completion(body: dict) -> GenerateSpec:
     best_of = values.get("best_of")
     if best_of is not None and best_of != n:
         raise _bad("best_of", "best_of must equal n (server-side best-of selection is not supported)")
-    if values.get("echo") and values.get("logprobs") is not None:
-        raise _bad("echo", "echo with logprobs needs prompt logprobs, which are not supported")
     max_tokens = values.get("max_tokens") or 16           # OpenAI's default for completions
     params = _sampling_params(values, max_tokens, values.get("logprobs"))
+    if values.get("echo") and values.get("logprobs") is not None:
+        params.prompt_logprobs = values["logprobs"]        # the echoed prompt carries logprobs too
     _check_choices(len(prompts), params.n)
     stream, include_usage = _stream_flags(values)
     return GenerateSpec(kind="completion", model=values.get("model"), params=params, prompts=prompts,

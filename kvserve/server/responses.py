@@ -74,15 +74,17 @@ def _top(entry: dict[int, float], k: int) -> list[tuple[int, float]]:
     return sorted(entry.items(), key=lambda kv: -kv[1])[:k]
 
 
-def completion_logprobs(speller: TokenSpeller, token_ids: list[int], entries: list[dict[int, float]],
+def completion_logprobs(speller: TokenSpeller, token_ids: list[int], entries: list[dict[int, float] | None],
                         k: int, text_offset: int) -> dict:
-    """The legacy completions ``logprobs`` object for these tokens."""
+    """The legacy completions ``logprobs`` object for these tokens (an entry of None,
+    the first echoed prompt token's, reports null logprobs)."""
     tokens, token_lps, tops, offsets = [], [], [], []
     for token_id, entry in zip(token_ids, entries):
         text, _ = speller.spell(token_id)
         tokens.append(text)
-        token_lps.append(_finite(entry[token_id]))
-        tops.append({speller.spell(t)[0]: _finite(lp) for t, lp in _top(entry, k)} if k else None)
+        token_lps.append(_finite(entry[token_id]) if entry is not None else None)
+        tops.append({speller.spell(t)[0]: _finite(lp) for t, lp in _top(entry, k)}
+                    if k and entry is not None else None)
         offsets.append(text_offset)
         text_offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
@@ -118,13 +120,24 @@ class ResponseBuilder:
         return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
 
     # ------------------------------------------------------------ whole bodies
-    def completion_choice(self, index: int, completion: CompletionOutput, prefix: str = "") -> dict:
+    def completion_choice(self, index: int, completion: CompletionOutput, prefix: str = "",
+                          echo_logprobs: dict | None = None) -> dict:
+        """One whole completions choice; ``echo_logprobs`` (from :meth:`echo_logprobs`)
+        leads the logprobs when the prompt is echoed."""
         logprobs = None
         if self.logprobs is not None and completion.logprobs is not None:
             logprobs = completion_logprobs(self.speller, completion.token_ids, completion.logprobs,
                                            self.logprobs, len(prefix))
+            if echo_logprobs is not None:
+                logprobs = {key: echo_logprobs[key] + logprobs[key] for key in logprobs}
         return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
                 "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+
+    def echo_logprobs(self, prompt_token_ids: list[int], entries: list | None) -> dict | None:
+        """The echoed prompt's part of a completions ``logprobs`` object (text offsets from 0)."""
+        if self.logprobs is None or entries is None:
+            return None
+        return completion_logprobs(self.speller, prompt_token_ids, entries, self.logprobs, 0)
 
     def chat_choice(self, index: int, completion: CompletionOutput) -> dict:
         logprobs = None
@@ -145,7 +158,7 @@ class ResponseBuilder:
     def chunk(self, index: int, text: str, token_ids: list[int] | None = None,
               logprob_entries: list | None = None, finish_reason: str | None = None,
               stop_reason=None, role: bool = False) -> dict:
-        """One streamed choice update."""
+        """One streamed choice update (an echoed prompt is one with its prompt's entries)."""
         logprobs = None
         if self.logprobs is not None and logprob_entries is not None and token_ids:
             if self.kind == "completion":

@@ -111,6 +111,9 @@ class Generation:
                                        spec.params.n)
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
+        # echo with logprobs: prompt logprobs gathered per prompt, echoed once complete
+        self._prompt_logprobs: dict[int, list] = {tag: [None] for tag in range(len(prompts))}
+        self._echoed: set[int] = set()
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -182,10 +185,12 @@ class Generation:
         choices = []
         for tag, output in self.outputs.items():
             prefix = self._echo_prefix(tag)
+            echo_lps = (self.builder.echo_logprobs(self.prompts[tag].token_ids, output.prompt_logprobs)
+                        if self.spec.echo else None)
             for completion in output.outputs:
                 index = self.builder.choice_index(tag, completion.index)
                 if self.spec.kind == "completion":
-                    choices.append(self.builder.completion_choice(index, completion, prefix))
+                    choices.append(self.builder.completion_choice(index, completion, prefix, echo_lps))
                 else:
                     choices.append(self.builder.chat_choice(index, completion))
         return self.builder.full(choices, self.num_prompt_tokens, self._completion_tokens(), self._cached_tokens())
@@ -216,6 +221,8 @@ class Generation:
                     for chunk in self._abort_chunks():
                         yield chunk
                 elif isinstance(event, CompletionDelta):
+                    for chunk in self._echo_with_logprobs(tag, event):
+                        yield chunk
                     chunk = self._delta_chunk(tag, event)
                     if chunk is not None:
                         yield chunk
@@ -232,8 +239,24 @@ class Generation:
         finally:
             self.close()
 
+    def _echo_with_logprobs(self, tag: int, delta: CompletionDelta) -> list[bytes]:
+        """Streaming echo with logprobs: the prompt's chunk goes out once its prompt
+        logprobs are all in (they come with the prefill, before the first token)."""
+        if not (self.spec.echo and self.spec.logprobs is not None) or tag in self._echoed:
+            return []
+        gathered = self._prompt_logprobs[tag]
+        gathered.extend(delta.prompt_logprobs or ())
+        prompt_ids = self.prompts[tag].token_ids
+        if len(gathered) < len(prompt_ids) and not delta.token_ids and delta.finish_reason is None:
+            return []
+        self._echoed.add(tag)
+        entries = gathered + [None] * (len(prompt_ids) - len(gathered))
+        prefix = self._echo_prefix(tag)
+        return [sse(self.builder.chunk(self.builder.choice_index(tag, i), prefix, prompt_ids, entries))
+                for i in range(self.spec.params.n)]
+
     def _echo_chunks(self) -> list[bytes]:
-        if not self.spec.echo:
+        if not self.spec.echo or self.spec.logprobs is not None:     # with logprobs: sent later
             return []
         chunks = []
         for tag in range(len(self.prompts)):

@@ -64,6 +64,7 @@ class SpecStats:
     num_proposed: int = 0             # draft tokens put up for verification
     num_accepted: int = 0             # of those, accepted
     num_verifications: int = 0        # sequence-steps that verified >= 1 draft
+    num_rejections: int = 0           # of those, ones that ended at a rejected draft
     accepted_per_position: list[int] = field(default_factory=list)   # [i]: verifications accepting draft i
     num_steps_on: int = 0             # engine steps where some sequence speculated
     num_steps_off: int = 0            # decode steps where speculation was switched off by cost
@@ -74,6 +75,7 @@ class SpecStats:
         self.num_proposed += proposed
         self.num_accepted += accepted
         self.num_verifications += 1
+        self.num_rejections += int(accepted < proposed)
         if len(self.accepted_per_position) < proposed:
             self.accepted_per_position.extend([0] * (proposed - len(self.accepted_per_position)))
         for i in range(accepted):
@@ -84,13 +86,21 @@ class SpecStats:
         return self.num_accepted / self.num_proposed if self.num_proposed else 0.0
 
     @property
+    def alpha(self) -> float:
+        """Per-position acceptance (maximum likelihood under a constant rate):
+        accepted / (accepted + rejections)."""
+        total = self.num_accepted + self.num_rejections
+        return self.num_accepted / total if total else 0.0
+
+    @property
     def mean_accepted_length(self) -> float:
         """Draft tokens accepted per verification (tokens per step is this + 1)."""
         return self.num_accepted / self.num_verifications if self.num_verifications else 0.0
 
     def as_dict(self) -> dict:
         return {"num_proposed": self.num_proposed, "num_accepted": self.num_accepted,
-                "num_verifications": self.num_verifications,
+                "num_verifications": self.num_verifications, "num_rejections": self.num_rejections,
+                "alpha": self.alpha,
                 "accepted_per_position": list(self.accepted_per_position),
                 "acceptance_rate": self.acceptance_rate, "mean_accepted_length": self.mean_accepted_length,
                 "num_steps_on": self.num_steps_on, "num_steps_off": self.num_steps_off}
