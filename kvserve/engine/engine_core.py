@@ -130,7 +130,7 @@ class EngineCore:
                                    self.block_pool, self.prefix_cache, self.spec_controller, self.max_model_len)
         backend = get_backend(config.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
         self.runner = ModelRunner(model, kv_cache, backend, config.block_size, self.device,
-                                  Sampler(seed=config.seed))
+                                  Sampler(seed=config.seed), seed=config.seed)
         self.proposer = self._build_proposer(model, kv_cache, draft) if self.spec_config else None
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
@@ -213,6 +213,7 @@ class EngineCore:
     def stop_sequence(self, seq_id: int) -> None:
         """Finish one sequence with reason ``stop`` (the front end matched a stop string)."""
         self.scheduler.finish_sequence(seq_id, FinishReason.STOP)
+        self._forget([seq_id])
 
     # -------------------------------------------------------------------- step
     def step(self) -> list[SeqUpdate]:
@@ -239,7 +240,7 @@ class EngineCore:
             if u.num_draft_proposed:
                 controller.observe_verification(u.seq_id, u.num_draft_proposed, u.num_draft_accepted)
         accepted = {seq_id: len(tokens) for seq_id, tokens in result.accepted_drafts.items()}
-        self.proposer.on_step_done(plan, accepted, [])
+        self.proposer.on_step_done(plan, accepted, [u.seq_id for u in updates if u.finish_reason is not None])
         self._forget([u.seq_id for u in updates if u.finish_reason is not None] + plan.preempted_seq_ids)
 
     def _forget(self, seq_ids: list[int]) -> None:

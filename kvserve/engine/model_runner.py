@@ -19,13 +19,16 @@ class ModelRunner:
     """Executes step plans on one device."""
 
     def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
-                 device: torch.device, sampler: Sampler | None = None):
+                 device: torch.device, sampler: Sampler | None = None, seed: int = 0):
         self.model = model
         self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
+        # draws of speculative rejection sampling (unseeded rows with a draft distribution)
+        self.spec_generator = torch.Generator(device=device)
+        self.spec_generator.manual_seed(seed)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan, draft_probs=None) -> StepResult:
@@ -58,7 +61,7 @@ class ModelRunner:
                        for i, s in enumerate(to_sample)}
             return StepResult(sampled=sampled, prompt_logprobs=prompt_lps,
                               forward_time_s=time.perf_counter() - started)
-        samples, accepted, final = verify(self.sampler, logits, rows, groups)
+        samples, accepted, final = verify(self.sampler, logits, rows, groups, self.spec_generator)
         sampled, row = {}, 0
         for s in to_sample:
             sampled[s.seq_id] = final[s.seq_id] if s.draft_token_ids else samples[row]

@@ -106,6 +106,16 @@ class SpecStats:
                 "num_steps_on": self.num_steps_on, "num_steps_off": self.num_steps_off}
 
 
+def _best_k(alpha: float, share: float, per_draft: float, limit: int) -> int:
+    """The k in ``[0, limit]`` maximising tokens per second, ``E(k) / (share + per_draft * k)``."""
+    best_k, best_rate = 0, 1.0 / max(share, 1e-12)
+    for k in range(1, limit + 1):
+        rate = expected_tokens(alpha, k) / max(share + per_draft * k, 1e-12)
+        if rate > best_rate:
+            best_k, best_rate = k, rate
+    return best_k
+
+
 @dataclass
 class _SeqState:
     accepted: int = 0
@@ -151,25 +161,25 @@ class SpecController:
         share = (a + b * base_tokens) / num_seqs          # each sequence's part of the plain step
         draft_per_pass = (c / num_seqs + d) if self.uses_draft_model else 0.0
         chosen: dict[int, int] = {}
+        probes: dict[int, int] = {}         # written-off sequences re-measured with one draft
         gain_tokens = 0.0
         for sid, limit in candidates:
             state = self._seqs.setdefault(sid, _SeqState())
-            best_k, best_rate = 0, 1.0 / max(share, 1e-12)
-            for k in range(1, min(limit, self.k_max) + 1):
-                rate = expected_tokens(state.alpha, k) / max(share + (b + draft_per_pass) * k, 1e-12)
-                if rate > best_rate:
-                    best_k, best_rate = k, rate
-            if best_k == 0:
+            best_k = _best_k(state.alpha, share, b + draft_per_pass, min(limit, self.k_max))
+            # Re-measure only sequences written off for their acceptance (they would not
+            # speculate even alone), not ones the batch's cost keeps at zero.
+            if best_k == 0 and _best_k(state.alpha, a + b, b + c + d, min(limit, self.k_max)) == 0:
                 state.steps_at_zero += 1
                 if state.steps_at_zero >= PROBE_EVERY:      # re-measure a sequence written off
                     state.steps_at_zero = 0
-                    best_k = 1
+                    probes[sid] = 1
+                continue
             if best_k:
                 chosen[sid] = best_k
                 gain_tokens += expected_tokens(state.alpha, best_k)
         if not chosen:
             self.stats.num_steps_off += 1
-            return {}
+            return probes
         extra = sum(chosen.values())
         k_passes = max(chosen.values())
         t_off = a + b * base_tokens
@@ -177,9 +187,9 @@ class SpecController:
         tokens_on = gain_tokens + (num_seqs - len(chosen))
         if tokens_on / max(t_on, 1e-12) < (1.0 + self.min_gain) * num_seqs / max(t_off, 1e-12):
             self.stats.num_steps_off += 1
-            return {}
+            return probes
         self.stats.num_steps_on += 1
-        return chosen
+        return {**chosen, **probes}
 
     # ---------------------------------------------------------------- learning
     def observe_step(self, num_tokens: int, forward_s: float) -> None:

@@ -87,16 +87,29 @@ class DraftModelProposer:
             if probs[s.seq_id]:
                 self._probs[s.seq_id] = torch.stack(probs[s.seq_id])
 
+    @torch.inference_mode()
     def on_step_done(self, plan: StepPlan, accepted_counts: dict[int, int], finished_seq_ids) -> None:
         """Record how far each sequence's draft KV is valid once verification is known:
-        the real tokens, plus the accepted drafts the draft itself computed."""
+        the real tokens, plus the accepted drafts the draft itself computed. The last
+        draft is never fed back; if it was accepted, a live sequence's next pass 1
+        computes it, and a sequence that just finished gets it computed now, so the
+        blocks it leaves in the prefix cache carry complete draft KV."""
+        finished = set(finished_seq_ids)
+        holes = []
         if not self.shares_target_kv:
             for s in plan.scheduled:
                 if s.draft_token_ids:
                     end = s.start_position + len(s.token_ids)
                     written = len(s.draft_token_ids) - 1          # the last draft was never fed back
-                    self._computed[s.seq_id] = end + min(accepted_counts.get(s.seq_id, 0), written)
-        for seq_id in list(plan.preempted_seq_ids) + list(finished_seq_ids):
+                    accepted = accepted_counts.get(s.seq_id, 0)
+                    self._computed[s.seq_id] = end + min(accepted, written)
+                    if s.seq_id in finished and accepted > written:
+                        holes.append(ScheduledSeq(s.seq_id, [s.draft_token_ids[-1]], end + written, s.block_table,
+                                                  False, s.params, s.prompt_token_ids, s.output_token_ids,
+                                                  s.eos_token_ids, s.sibling_index))
+        if holes:     # the blocks are free or cached now, and nobody reallocates them before the next step
+            self.runner.forward_logits(StepPlan(holes))
+        for seq_id in list(plan.preempted_seq_ids) + list(finished):
             self._computed.pop(seq_id, None)
 
     # ---------------------------------------------------------------- internals
