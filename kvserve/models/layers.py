@@ -20,6 +20,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:   # [T, hidden] -> [T, hidden]
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)      # same ops, fewer temporaries
         dtype = x.dtype
         x32 = x.float()
         variance = x32.pow(2).mean(-1, keepdim=True)
@@ -59,16 +61,33 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", emb.cos(), persistent=False)
         self.register_buffer("sin", emb.sin(), persistent=False)
 
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [T] -> (cos, sin), each [T, 1, head_dim / 2] in ``dtype``: once per
+        forward, shared by every layer (both halves of the tables are equal)."""
+        half = self.cos.shape[-1] // 2
+        return (self.cos[positions, :half].unsqueeze(1).to(dtype),
+                self.sin[positions, :half].unsqueeze(1).to(dtype))
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated (q, k)."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)           # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        """q [T, H, D], k [T, KVH, D], positions [T] -> rotated (q, k) (new tensors)."""
+        cos_sin = self.cos_sin(positions, q.dtype)
+        q, k = q.clone(), k.clone()
+        apply_rotary_(q, *cos_sin)
+        apply_rotary_(k, *cos_sin)
+        return q, k
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+def apply_rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` [T, N, D] in place (a strided view is fine); cos/sin [T, 1, D / 2].
+
+    Same products and sums as Hugging Face's ``x * cos + rotate_half(x) * sin``:
+    ``[x1 * c - x2 * s, x2 * c + x1 * s]``, so fp32 results are bit-identical."""
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    x1, x2 = x[..., :half], x[..., half:]
+    x1_sin = x1 * sin
+    x1.mul_(cos).sub_(x2 * sin)
+    x2.mul_(cos).add_(x1_sin)
+    return x
 
 
 class SwiGLUMLP(nn.Module):
@@ -83,6 +102,11 @@ class SwiGLUMLP(nn.Module):
                                       requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [T, hidden] -> [T, hidden]
+        return F.linear(self.activation(x), self.down_proj)
+
+    def activation(self, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate(x)) * up(x), computed in place in the gate half of one fresh
+        [T, 2 * inter] buffer; returns that (row-strided) half, [T, inter]."""
         gate_up = F.linear(x, self.gate_up_proj)           # [T, 2 * inter]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        return F.linear(F.silu(gate) * up, self.down_proj)
+        return F.silu(gate, inplace=True).mul_(up)

@@ -11,7 +11,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
-from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
 
 
 class LlamaAttention(nn.Module):
@@ -30,16 +30,21 @@ class LlamaAttention(nn.Module):
                          if config.attention_bias else None)
         self.o_proj = nn.Parameter(torch.empty(config.hidden_size, self.q_size), requires_grad=False)
 
-    def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
+    def attend(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
+        """x [T, hidden] (normed) -> attention output before o_proj, [T, H * D].
+        ``rope`` is the forward's (cos, sin); ``step`` the backend's prepared step."""
         num_tokens = x.shape[0]
         qkv = F.linear(x, self.qkv_proj, self.qkv_bias)                  # [T, q + 2kv]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
-        attn = backend.forward(q, k, v, k_cache, v_cache, meta)          # [T, H * D]
-        return F.linear(attn, self.o_proj)
+        qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                       self.head_dim)
+        apply_rotary_(qk, *rope)                                          # q and k in one pass, in place
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
+        return backend.forward(q, k, v, k_cache, v_cache, step)
+
+    def forward(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]."""
+        return F.linear(self.attend(x, rope, backend, k_cache, v_cache, step), self.o_proj)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -50,9 +55,13 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x, positions, rotary, backend, k_cache, v_cache, meta):
-        h = x + self.self_attn(self.input_layernorm(x), positions, rotary, backend, k_cache, v_cache, meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]; ``x`` is updated in place (the residual
+        stream: each projection accumulates into it, no add pass)."""
+        attn = self.self_attn.attend(self.input_layernorm(x), rope, backend, k_cache, v_cache, step)
+        x.addmm_(attn, self.self_attn.o_proj.t())
+        x.addmm_(self.mlp.activation(self.post_attention_layernorm(x)), self.mlp.down_proj.t())
+        return x
 
 
 class LlamaForCausalLM(nn.Module):
@@ -73,10 +82,15 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend, meta: AttentionMetadata) -> torch.Tensor:
-        """input_ids/positions [T]; kv_cache [layers, 2, blocks, block_size, KVH, D] -> [T, hidden]."""
-        x = F.embedding(input_ids, self.embed_tokens)
+        """input_ids/positions [T]; kv_cache [layers, 2, blocks, block_size, KVH, D] -> [T, hidden].
+
+        What is the same for every layer (rotary cos/sin of the positions, the
+        backend's attention layout) is computed once here."""
+        x = F.embedding(input_ids, self.embed_tokens)                    # a fresh tensor: updated in place
+        rope = self.rotary.cos_sin(positions, x.dtype)
+        step = backend.prepare(meta, kv_cache)
         for index, layer in enumerate(self.layers):
-            x = layer(x, positions, self.rotary, backend, kv_cache[index, 0], kv_cache[index, 1], meta)
+            x = layer(x, rope, backend, kv_cache[index, 0], kv_cache[index, 1], step)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
