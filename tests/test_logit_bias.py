@@ -9,24 +9,14 @@ import torch
 
 from kvserve.engine.engine_core import EngineCore
 from kvserve.errors import InvalidRequestError
-from kvserve.sampling import (MAX_LOGIT_BIAS, Sampler, SamplingParams, SamplingRow, apply_logit_bias,
+from kvserve.sampling import (MAX_LOGIT_BIAS, Sampler, SamplingParams, apply_logit_bias,
                               process_logits)
 from kvserve.server import codec, protocol
 from kvserve.server.serving import check_logit_bias
 
+from tests.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
+
 INF = math.inf
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def row(prompt=(), output=(), eos=frozenset(), seed_offset=0, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), frozenset(eos), seed_offset)
 
 
 def _logits(b: int, v: int, seed: int = 0, scale: float = 3.0) -> torch.Tensor:

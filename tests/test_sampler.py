@@ -7,23 +7,13 @@ import random
 import pytest
 import torch
 
-from kvserve.sampling import (Sampler, SamplingParams, SamplingRow, apply_penalties,
+from kvserve.sampling import (Sampler, SamplingRow, apply_penalties,
                               process_logits)
 from kvserve.sampling.sampler import apply_filters, apply_temperature
 
+from tests.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
+
 INF = math.inf
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
-
-
-def row(prompt=(), output=(), eos=frozenset(), seed_offset=0, **params) -> SamplingRow:
-    return SamplingRow(SamplingParams(**params), list(prompt), list(output), frozenset(eos), seed_offset)
 
 
 def finite_ids(t: torch.Tensor) -> set[int]:

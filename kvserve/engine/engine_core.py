@@ -22,8 +22,9 @@ from kvserve.engine.prefix_cache import PrefixCache
 from kvserve.engine.prefix_events import CacheEvent, CacheNamespace
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence
-from kvserve.engine.step import SeqUpdate, StepPlan
+from kvserve.engine.step import SeqUpdate
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
+from kvserve.planner.kv_memory import kv_bytes_per_token as planner_kv_bytes_per_token
 from kvserve.sampling.params import SamplingParams
 from kvserve.spec.config import SpeculativeConfig
 from kvserve.spec.controller import SpecController
@@ -63,8 +64,9 @@ def _spec_config(value) -> SpeculativeConfig | None:
 
 
 def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """KV bytes one token takes in every layer of ``config``'s model."""
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.empty((), dtype=dtype).element_size()
+    """KV bytes one token takes in every layer of ``config``'s model (the planner's formula)."""
+    return int(planner_kv_bytes_per_token(config.num_layers, config.num_kv_heads, config.head_dim,
+                                          torch.empty((), dtype=dtype).element_size()))
 
 
 def resolve_device_dtype(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
@@ -219,34 +221,34 @@ class EngineCore:
     def step(self) -> list[SeqUpdate]:
         """One engine step; returns what each sequence produced."""
         plan = self.scheduler.schedule()
-        if self.proposer is None or plan.is_empty:
-            result = self.runner.execute(plan)
-            self.num_steps += 1
-            return self.scheduler.update(plan, result)
-        self.proposer.propose(plan)
-        result = self.runner.execute(plan, draft_probs=self.proposer.draft_probs)
+        speculating = self.proposer is not None and not plan.is_empty
+        if speculating:
+            self.proposer.propose(plan)
+        result = self.runner.execute(plan, draft_probs=self.proposer.draft_probs if speculating else None)
         self.num_steps += 1
         updates = self.scheduler.update(plan, result)
-        self._learn(plan, result, updates)
+        if speculating:
+            self._learn(plan, result, updates)
         return updates
 
     def _learn(self, plan, result, updates: list[SeqUpdate]) -> None:
         """Feed step times and verification outcomes to the speculation controller."""
         controller = self.spec_controller
         controller.observe_step(plan.num_tokens, result.forward_time_s)
-        for num_seqs, seconds in getattr(self.proposer, "pass_times", ()):
+        for num_seqs, seconds in self.proposer.pass_times:
             controller.observe_draft_pass(num_seqs, seconds)
         for u in updates:
             if u.num_draft_proposed:
                 controller.observe_verification(u.seq_id, u.num_draft_proposed, u.num_draft_accepted)
         accepted = {seq_id: len(tokens) for seq_id, tokens in result.accepted_drafts.items()}
-        self.proposer.on_step_done(plan, accepted, [u.seq_id for u in updates if u.finish_reason is not None])
-        self._forget([u.seq_id for u in updates if u.finish_reason is not None] + plan.preempted_seq_ids)
+        finished = [u.seq_id for u in updates if u.finish_reason is not None]
+        self.proposer.on_step_done(plan, accepted, finished)
+        self._forget(finished + plan.preempted_seq_ids)
 
     def _forget(self, seq_ids: list[int]) -> None:
         """Drop speculation state of sequences that ended or restart from scratch."""
         if self.proposer is not None and seq_ids:
-            self.proposer.on_step_done(StepPlan(), {}, seq_ids)
+            self.proposer.forget(seq_ids)
             for seq_id in seq_ids:
                 self.spec_controller.forget(seq_id)
 

@@ -11,7 +11,7 @@ import torch
 
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
-from kvserve.sampling.sampler import Sampler, SamplingRow
+from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.spec.verify import DraftGroup, verify
 
 
@@ -36,7 +36,7 @@ class ModelRunner:
         included), sampling, and verification of drafts (``kvserve.spec.verify``).
         ``draft_probs(seq_id)`` gives a sequence's draft distributions, if it has any."""
         started = time.perf_counter()
-        self._copy_blocks(plan.block_copies)
+        self.copy_blocks(plan.block_copies)
         if plan.is_empty:
             return StepResult()
         to_sample = [s for s in plan.scheduled if s.sample]
@@ -55,12 +55,6 @@ class ModelRunner:
                 rows.append(SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
                                         output_token_ids=output, eos_token_ids=s.eos_token_ids,
                                         seed_offset=s.sibling_index))
-        if not groups:
-            out = self.sampler(logits, rows)
-            sampled = {s.seq_id: SampledToken(out.token_ids[i], out.logprobs[i], out.top_logprobs[i])
-                       for i, s in enumerate(to_sample)}
-            return StepResult(sampled=sampled, prompt_logprobs=prompt_lps,
-                              forward_time_s=time.perf_counter() - started)
         samples, accepted, final = verify(self.sampler, logits, rows, groups, self.spec_generator)
         sampled, row = {}, 0
         for s in to_sample:
@@ -94,21 +88,19 @@ class ModelRunner:
                 last = min(s.start_position + s.num_tokens, len(s.prompt_token_ids) - 1)
                 count = last - s.start_position
                 targets = list(s.prompt_token_ids[s.start_position + 1:last + 1])
-                k = s.params.prompt_logprobs
                 entries: list[SampledToken] = []
                 for lo in range(0, count, rows_per_pass):       # bounded [rows, vocab] memory
                     hi = min(count, lo + rows_per_pass)
-                    lp = torch.log_softmax(self.model.compute_logits(hidden[row + lo:row + hi]), dim=-1)
-                    chosen = lp.gather(1, torch.tensor(targets[lo:hi], device=lp.device)[:, None]).squeeze(1)
-                    tops = lp.topk(k, dim=-1) if k else None
-                    for i, value in enumerate(chosen.tolist()):
-                        top = (list(zip(tops.indices[i].tolist(), tops.values[i].tolist())) if k else [])
-                        entries.append(SampledToken(targets[lo + i], value, top))
+                    chosen, tops = token_logprobs(self.model.compute_logits(hidden[row + lo:row + hi]),
+                                                  torch.tensor(targets[lo:hi], device=self.device),
+                                                  s.params.prompt_logprobs)
+                    entries.extend(SampledToken(t, v, top) for t, v, top in zip(targets[lo:hi], chosen, tops))
                 result[s.seq_id] = entries
             row += n
         return result
 
-    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy whole KV blocks ``src -> dst`` in every layer (copy-on-write at a fork)."""
         if copies:
             src = torch.tensor([c[0] for c in copies], device=self.device)
             dst = torch.tensor([c[1] for c in copies], device=self.device)

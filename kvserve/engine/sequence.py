@@ -9,6 +9,16 @@ from kvserve.engine.prefix_events import CacheNamespace
 from kvserve.sampling.params import SamplingParams
 
 
+def token_slice(prompt: list[int], output: list[int], start: int, end: int) -> list[int]:
+    """Token ids at positions ``[start, end)`` of ``prompt + output`` (without building it)."""
+    num_prompt = len(prompt)
+    if end <= num_prompt:
+        return prompt[start:end]
+    if start >= num_prompt:
+        return output[start - num_prompt:end - num_prompt]
+    return prompt[start:] + output[:end - num_prompt]
+
+
 class SeqStatus(enum.Enum):
     WAITING = "waiting"     # not holding blocks (new, or preempted for recompute)
     RUNNING = "running"     # holding blocks, scheduled every step it fits the budget
@@ -67,12 +77,7 @@ class Sequence:
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Token ids at positions ``[start, end)`` of prompt + output."""
-        num_prompt = len(self.prompt_token_ids)
-        if end <= num_prompt:
-            return self.prompt_token_ids[start:end]
-        if start >= num_prompt:
-            return self.output_token_ids[start - num_prompt:end - num_prompt]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - num_prompt]
+        return token_slice(self.prompt_token_ids, self.output_token_ids, start, end)
 
     @property
     def num_tokens_to_compute(self) -> int:

@@ -280,19 +280,13 @@ class Sampler:
             tokens[greedy] = processed[greedy].argmax(dim=-1)
         if sampled:
             tokens[sampled] = self._sample([rows[i] for i in sampled], processed[sampled])
-        logprobs, top_logprobs = _raw_logprobs(raw, rows, tokens)
+        logprobs, top_logprobs = raw_logprobs(raw, rows, tokens)
         return SamplerOutput(tokens.tolist(), logprobs, top_logprobs)
 
     def _sample(self, rows: list[SamplingRow], logits: torch.Tensor) -> torch.Tensor:
         """Temperature, filters and the exponential race for non-greedy rows: ``[S]`` ids."""
-        device = logits.device
-        temps = torch.tensor([r.params.temperature for r in rows], dtype=logits.dtype, device=device)
-        top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
-        top_p = torch.tensor([r.params.top_p for r in rows], dtype=logits.dtype, device=device)
-        min_p = torch.tensor([r.params.min_p for r in rows], dtype=logits.dtype, device=device)
-        scaled = apply_filters(apply_temperature(logits, temps), top_k, top_p, min_p)
-        probs = scaled.softmax(dim=-1)                                      # [S, V]
-        q = self._exponentials(rows, logits.shape[1], device)               # [S, V]
+        probs = sampling_probs(logits, rows)                                # [S, V]
+        q = self._exponentials(rows, logits.shape[1], logits.device)        # [S, V]
         return (probs / q).argmax(dim=-1)
 
     def _exponentials(self, rows: list[SamplingRow], vocab_size: int,
@@ -311,11 +305,8 @@ class Sampler:
                 q[unseeded] = torch.empty(len(unseeded), vocab_size, device=device).exponential_(
                     generator=self._generator(device))
             for j, r in enumerate(rows):
-                if r.params.seed is None:
-                    continue
-                gen = torch.Generator(device=device)
-                gen.manual_seed(derive_row_seed(r.params.seed, r.seed_offset, len(r.output_token_ids)))
-                q[j] = torch.empty(vocab_size, device=device).exponential_(generator=gen)
+                if r.params.seed is not None:
+                    q[j] = seeded_exponentials(r, vocab_size, device)
         return q.clamp_min_(torch.finfo(q.dtype).tiny)
 
     def _generator(self, device: torch.device) -> torch.Generator:
@@ -332,7 +323,27 @@ class Sampler:
         return gen
 
 
-def _raw_logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
+def sampling_probs(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """The distribution non-greedy rows sample from: softmax of the processed ``logits``
+    ``[S, V]`` after temperature and the min-p / top-k / top-p filters."""
+    device, dtype = logits.device, logits.dtype
+    temps = torch.tensor([r.params.temperature for r in rows], dtype=dtype, device=device)
+    top_k = torch.tensor([r.params.top_k for r in rows], dtype=torch.long, device=device)
+    top_p = torch.tensor([r.params.top_p for r in rows], dtype=dtype, device=device)
+    min_p = torch.tensor([r.params.min_p for r in rows], dtype=dtype, device=device)
+    return apply_filters(apply_temperature(logits, temps), top_k, top_p, min_p).softmax(dim=-1)
+
+
+def seeded_exponentials(row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
+    """The Exp(1) noise ``[V]`` a seeded row draws at its current output position: a pure
+    function of ``(seed, seed_offset, len(output_token_ids))``, clamped away from 0."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(derive_row_seed(row.params.seed, row.seed_offset, len(row.output_token_ids)))
+    noise = torch.empty(vocab_size, device=device).exponential_(generator=gen)
+    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+
+def raw_logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.Tensor
                   ) -> tuple[list[float | None], list[list[tuple[int, float]]]]:
     """Chosen-token and top-k logprobs under ``log_softmax(raw)`` for rows that ask."""
     logprobs: list[float | None] = [None] * len(rows)
@@ -340,16 +351,23 @@ def _raw_logprobs(raw: torch.Tensor, rows: Sequence[SamplingRow], tokens: torch.
     want = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
     if not want:
         return logprobs, top
-    lp = torch.log_softmax(raw[want], dim=-1)                               # [W, V]
-    lp = lp.masked_fill(torch.isnan(lp), _NEG_INF)  # an all -inf row has no distribution
-    chosen = lp.gather(1, tokens[want][:, None]).squeeze(1).tolist()
-    k_max = min(max(rows[i].params.logprobs for i in want), lp.shape[1])
-    if k_max > 0:
-        values, ids = lp.topk(k_max, dim=-1)                                # [W, k_max]
-        values_l, ids_l = values.tolist(), ids.tolist()
+    k_max = max(rows[i].params.logprobs for i in want)
+    chosen, tops = token_logprobs(raw[want], tokens[want], k_max)
     for w, i in enumerate(want):
         logprobs[i] = chosen[w]
-        k = rows[i].params.logprobs
-        if k > 0:
-            top[i] = list(zip(ids_l[w][:k], values_l[w][:k]))
+        top[i] = tops[w][:rows[i].params.logprobs]
     return logprobs, top
+
+
+def token_logprobs(raw: torch.Tensor, tokens: torch.Tensor, k: int
+                   ) -> tuple[list[float], list[list[tuple[int, float]]]]:
+    """Under ``log_softmax(raw)`` (``[R, V]``): each row's logprob of ``tokens[row]`` and its
+    top ``k`` ``(id, logprob)`` pairs, best first (``[]`` when ``k`` is 0)."""
+    lp = torch.log_softmax(raw, dim=-1)                                     # [R, V]
+    lp = lp.masked_fill(torch.isnan(lp), _NEG_INF)  # an all -inf row has no distribution
+    chosen = lp.gather(1, tokens[:, None]).squeeze(1).tolist()
+    k = min(k, lp.shape[1])
+    if k <= 0:
+        return chosen, [[] for _ in chosen]
+    values, ids = lp.topk(k, dim=-1)                                        # [R, k]
+    return chosen, [list(zip(i, v)) for i, v in zip(ids.tolist(), values.tolist())]

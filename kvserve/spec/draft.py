@@ -27,9 +27,10 @@ import torch
 from torch import nn
 
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.sequence import token_slice
 from kvserve.engine.step import ScheduledSeq, StepPlan
-from kvserve.sampling.sampler import SamplingRow
-from kvserve.spec.verify import seeded_noise, target_distributions
+from kvserve.sampling.sampler import SamplingRow, seeded_exponentials
+from kvserve.spec.verify import target_distributions
 
 
 def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
@@ -67,7 +68,7 @@ class DraftModelProposer:
         self._probs.clear()
         self.pass_times = []
         if not self.shares_target_kv:
-            self.runner._copy_blocks(plan.block_copies)
+            self.runner.copy_blocks(plan.block_copies)
         speculating = [s for s in plan.scheduled if s.num_draft_slots > 0]
         first = [self._catch_up(s) for s in plan.scheduled
                  if s.num_draft_slots > 0 or not self.shares_target_kv]
@@ -93,7 +94,8 @@ class DraftModelProposer:
         the real tokens, plus the accepted drafts the draft itself computed. The last
         draft is never fed back; if it was accepted, a live sequence's next pass 1
         computes it, and a sequence that just finished gets it computed now, so the
-        blocks it leaves in the prefix cache carry complete draft KV."""
+        blocks it leaves in the prefix cache carry complete draft KV. Ended sequences
+        are dropped afterwards by :meth:`forget`."""
         finished = set(finished_seq_ids)
         holes = []
         if not self.shares_target_kv:
@@ -109,7 +111,10 @@ class DraftModelProposer:
                                                   s.eos_token_ids, s.sibling_index))
         if holes:     # the blocks are free or cached now, and nobody reallocates them before the next step
             self.runner.forward_logits(StepPlan(holes))
-        for seq_id in list(plan.preempted_seq_ids) + list(finished):
+
+    def forget(self, seq_ids) -> None:
+        """Drop the draft-KV records of sequences that ended or restart from scratch."""
+        for seq_id in seq_ids:
             self._computed.pop(seq_id, None)
 
     # ---------------------------------------------------------------- internals
@@ -121,7 +126,7 @@ class DraftModelProposer:
         if not self.shares_target_kv:
             start = min(self._computed.get(s.seq_id, start), start)
             self._computed[s.seq_id] = end
-        tokens = s.token_ids if start == s.start_position else _token_slice(s, start, end)
+        tokens = s.token_ids if start == s.start_position else token_slice(s.prompt_token_ids, s.output_token_ids, start, end)
         return ScheduledSeq(s.seq_id, list(tokens), start, s.block_table, s.num_draft_slots > 0, s.params,
                             s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.sibling_index)
 
@@ -149,7 +154,7 @@ class DraftModelProposer:
                 token = int(dist[i].argmax())
             else:
                 if s.params.seed is not None:
-                    noise = seeded_noise(row, vocab, self.device)
+                    noise = seeded_exponentials(row, vocab, self.device)
                 else:
                     noise = torch.empty(vocab, device=self.device).exponential_(generator=self._generator)
                     noise.clamp_min_(torch.finfo(noise.dtype).tiny)
@@ -157,11 +162,3 @@ class DraftModelProposer:
                 token = int((dist[i] / noise).argmax())
             drafts[s.seq_id].append(token)
 
-
-def _token_slice(s: ScheduledSeq, start: int, end: int) -> list[int]:
-    """Token ids at positions ``[start, end)`` of ``s``'s prompt + output."""
-    prompt = s.prompt_token_ids
-    if end <= len(prompt):
-        return list(prompt[start:end])
-    return (list(prompt[start:]) + list(s.output_token_ids[max(0, start - len(prompt)):end - len(prompt)])
-            if start < len(prompt) else list(s.output_token_ids[start - len(prompt):end - len(prompt)]))

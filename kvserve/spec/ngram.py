@@ -36,6 +36,7 @@ class NgramProposer:
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
+        self.pass_times: list[tuple[int, float]] = []      # no draft model: never any passes
 
     def propose(self, plan) -> None:
         """Set ``draft_token_ids`` (at most ``num_draft_slots``) on the plan's speculating sequences."""
@@ -48,5 +49,8 @@ class NgramProposer:
         """Point-mass proposals: no draft distribution."""
         return None
 
-    def on_step_done(self, plan, result, finished_seq_ids) -> None:
+    def on_step_done(self, plan, accepted_counts, finished_seq_ids) -> None:
         """Nothing to roll back: the proposer keeps no per-sequence state."""
+
+    def forget(self, seq_ids) -> None:
+        """No per-sequence state to drop."""

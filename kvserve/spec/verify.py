@@ -17,14 +17,13 @@ from dataclasses import dataclass
 import torch
 
 from kvserve.engine.step import SampledToken
-from kvserve.sampling.sampler import (SamplingRow, _raw_logprobs, apply_filters, apply_temperature,
-                                      derive_row_seed, process_logits)
+from kvserve.sampling.sampler import SamplingRow, process_logits, raw_logprobs, sampling_probs
 from kvserve.spec.rejection import rejection_sample
 
 
 def target_distributions(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
     """The distribution each row's token is drawn from, ``[R, V]``: one-hot at the
-    processed argmax for greedy rows; softmax after temperature and filters otherwise."""
+    processed argmax for greedy rows; the sampler's ``sampling_probs`` otherwise."""
     processed = process_logits(raw.float(), rows)
     probs = torch.zeros_like(processed)
     greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
@@ -33,23 +32,8 @@ def target_distributions(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
         probs[greedy] = torch.nn.functional.one_hot(processed[greedy].argmax(dim=-1),
                                                     processed.shape[1]).to(probs.dtype)
     if sampled:
-        sel = [rows[i].params for i in sampled]
-        dev, dt = processed.device, processed.dtype
-        scaled = apply_temperature(processed[sampled], torch.tensor([p.temperature for p in sel], dtype=dt,
-                                                                    device=dev))
-        filtered = apply_filters(scaled, torch.tensor([p.top_k for p in sel], dtype=torch.long, device=dev),
-                                 torch.tensor([p.top_p for p in sel], dtype=dt, device=dev),
-                                 torch.tensor([p.min_p for p in sel], dtype=dt, device=dev))
-        probs[sampled] = filtered.softmax(dim=-1)
+        probs[sampled] = sampling_probs(processed[sampled], [rows[i] for i in sampled])
     return probs
-
-
-def seeded_noise(row: SamplingRow, vocab_size: int, device: torch.device) -> torch.Tensor:
-    """The Exp(1) noise a seeded row draws at its current output position (the sampler's)."""
-    gen = torch.Generator(device=device)
-    gen.manual_seed(derive_row_seed(row.params.seed, row.seed_offset, len(row.output_token_ids)))
-    noise = torch.empty(vocab_size, device=device).exponential_(generator=gen)
-    return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
 
 
 @dataclass
@@ -114,7 +98,7 @@ def _rejection_groups(logits, rows, groups, generator, accepted, final) -> None:
         a = int(num_accepted[b])
         chosen = g.draft_token_ids[:a] + [int(final_tokens[b])]
         span = list(range(g.first_row, g.first_row + a + 1))
-        lps, tops = _raw_logprobs(logits[span].float(), [rows[i] for i in span],
+        lps, tops = raw_logprobs(logits[span].float(), [rows[i] for i in span],
                                   torch.tensor(chosen, dtype=torch.long, device=device))
         toks = [SampledToken(t, lp, top) for t, lp, top in zip(chosen, lps, tops)]
         accepted[g.seq_id] = toks[:-1]
