@@ -11,6 +11,7 @@ from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk, get_
 from kvserve.attention import torch_paged
 from kvserve.attention.ragged import RaggedSource, build_ragged_plan, ragged_attention
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
+from kvserve.models.projection import Projection
 
 H, KVH, D, BS, NUM_BLOCKS = 6, 2, 32, 4, 96
 
@@ -130,8 +131,12 @@ def test_rmsnorm_and_swiglu_match_reference():
     ref = norm.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
     assert torch.allclose(norm(x), ref, atol=1e-6, rtol=1e-6)
     mlp = SwiGLUMLP(48, 20)
-    mlp.gate_up_proj.data = torch.randn(40, 48)
-    mlp.down_proj.data = torch.randn(48, 20)
-    gate, up = F.linear(x, mlp.gate_up_proj).split(20, dim=-1)
+    gate_up_w, down_w = torch.randn(40, 48), torch.randn(48, 20)
+    mlp.gate_up_proj.weight.data, mlp.down_proj.weight.data = gate_up_w, down_w
+    gate, up = F.linear(x, gate_up_w).split(20, dim=-1)
     assert torch.equal(mlp.activation(x), F.silu(gate) * up)
-    assert torch.allclose(mlp(x), F.linear(F.silu(gate) * up, mlp.down_proj), atol=1e-5, rtol=1e-5)
+    assert torch.allclose(mlp(x), F.linear(F.silu(gate) * up, down_w), atol=1e-5, rtol=1e-5)
+    for module in mlp.modules():                    # packed (CPU fp32: [in, out]) gives the same map
+        if isinstance(module, Projection):
+            assert module.pack() == "in_out"
+    assert torch.allclose(mlp(x), F.linear(F.silu(gate) * up, down_w), atol=1e-5, rtol=1e-5)

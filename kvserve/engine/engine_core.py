@@ -105,7 +105,9 @@ class EngineCore:
         del checkpoint
         model = model.to(device=self.device, dtype=self.dtype).eval()
         model.rotary.float()                            # rotary tables stay fp32
-        self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.weight_layouts = model.pack_weights()
+        self.weight_bytes = model.weight_bytes()
+        self.decode_read_bytes = model.decode_read_bytes()
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.spec_config = _spec_config(config.speculative)
@@ -268,6 +270,7 @@ class EngineCore:
         draft.load_weights(checkpoint.tensors)
         draft = draft.to(device=self.device, dtype=self.dtype).eval()
         draft.rotary.float()
+        draft.pack_weights()
         return draft
 
     def _build_proposer(self, model, kv_cache: torch.Tensor, draft):

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.models.projection import Projection
+
 
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * weight, computed in fp32 (as Hugging Face does)."""
@@ -96,17 +98,15 @@ class SwiGLUMLP(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
         self.intermediate_size = intermediate_size
-        self.gate_up_proj = nn.Parameter(torch.empty(2 * intermediate_size, hidden_size),
-                                         requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(hidden_size, intermediate_size),
-                                      requires_grad=False)
+        self.gate_up_proj = Projection(2 * intermediate_size, hidden_size)
+        self.down_proj = Projection(hidden_size, intermediate_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [T, hidden] -> [T, hidden]
-        return F.linear(self.activation(x), self.down_proj)
+        return self.down_proj(self.activation(x))
 
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), computed in place in the gate half of one fresh
         [T, 2 * inter] buffer; returns that (row-strided) half, [T, inter]."""
-        gate_up = F.linear(x, self.gate_up_proj)           # [T, 2 * inter]
+        gate_up = self.gate_up_proj(x)                     # [T, 2 * inter]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)

@@ -12,6 +12,7 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
+from kvserve.models.projection import Projection
 
 
 class LlamaAttention(nn.Module):
@@ -24,17 +25,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Parameter(torch.empty(self.q_size + 2 * self.kv_size, config.hidden_size),
-                                     requires_grad=False)
-        self.qkv_bias = (nn.Parameter(torch.zeros(self.q_size + 2 * self.kv_size), requires_grad=False)
-                         if config.attention_bias else None)
-        self.o_proj = nn.Parameter(torch.empty(config.hidden_size, self.q_size), requires_grad=False)
+        self.qkv_proj = Projection(self.q_size + 2 * self.kv_size, config.hidden_size, bias=config.attention_bias)
+        self.o_proj = Projection(config.hidden_size, self.q_size)
 
     def attend(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
         """x [T, hidden] (normed) -> attention output before o_proj, [T, H * D].
         ``rope`` is the forward's (cos, sin); ``step`` the backend's prepared step."""
         num_tokens = x.shape[0]
-        qkv = F.linear(x, self.qkv_proj, self.qkv_bias)                  # [T, q + 2kv]
+        qkv = self.qkv_proj(x)                                            # [T, q + 2kv]
         qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
                                                        self.head_dim)
         apply_rotary_(qk, *rope)                                          # q and k in one pass, in place
@@ -44,7 +42,7 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]."""
-        return F.linear(self.attend(x, rope, backend, k_cache, v_cache, step), self.o_proj)
+        return self.o_proj(self.attend(x, rope, backend, k_cache, v_cache, step))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -59,8 +57,8 @@ class LlamaDecoderLayer(nn.Module):
         """x [T, hidden] -> [T, hidden]; ``x`` is updated in place (the residual
         stream: each projection accumulates into it, no add pass)."""
         attn = self.self_attn.attend(self.input_layernorm(x), rope, backend, k_cache, v_cache, step)
-        x.addmm_(attn, self.self_attn.o_proj.t())
-        x.addmm_(self.mlp.activation(self.post_attention_layernorm(x)), self.mlp.down_proj.t())
+        self.self_attn.o_proj.accumulate_(x, attn)
+        self.mlp.down_proj.accumulate_(x, self.mlp.activation(self.post_attention_layernorm(x)))
         return x
 
 
@@ -75,8 +73,8 @@ class LlamaForCausalLM(nn.Module):
                                          requires_grad=False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = (None if config.tie_word_embeddings else
-                        nn.Parameter(torch.empty(config.vocab_size, config.hidden_size), requires_grad=False))
+        self.lm_head = None if config.tie_word_embeddings else Projection(config.vocab_size, config.hidden_size)
+        self._packed_tied_head: Projection | None = None     # CPU fp32 copy of a tied head (pack_weights)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
 
@@ -95,8 +93,37 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in fp32."""
-        weight = self.embed_tokens if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        head = self.lm_head if self.lm_head is not None else self._packed_tied_head
+        return (head(hidden) if head is not None else F.linear(hidden, self.embed_tokens)).float()
+
+    def pack_weights(self) -> dict[str, str]:
+        """Lay every projection out for the device and dtype the model now has (call
+        once, after ``.to``); see ``kvserve.models.projection``. Returns the layouts
+        chosen, by role. A tied vocabulary head gets its own packed copy on CPU fp32."""
+        layouts = {}
+        for module in self.modules():
+            if isinstance(module, Projection) and module is not self.lm_head:
+                layouts["layers"] = module.pack()
+        if self.lm_head is not None:
+            layouts["head"] = self.lm_head.pack(onednn=True)
+        elif self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32:
+            head = Projection(*self.embed_tokens.shape)
+            head.weight = self.embed_tokens
+            layouts["head"] = head.pack(onednn=True)
+            self._packed_tied_head = head if head.layout == "onednn" else None
+        return layouts
+
+    def weight_bytes(self) -> int:
+        """Bytes of all weights, packed copies included."""
+        params = sum(p.numel() * p.element_size() for p in self.parameters())
+        return params + sum(m.packed_bytes for m in self.modules() if isinstance(m, Projection))
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes one decode step streams: everything but the embedding table
+        (it reads a row per token), unless that table is also the vocabulary head."""
+        separate_head = self.lm_head is not None or self._packed_tied_head is not None
+        table = self.embed_tokens.numel() * self.embed_tokens.element_size()
+        return self.weight_bytes() - (table if separate_head else 0)
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors (no copy where no fusion is needed), fusing
@@ -116,15 +143,15 @@ class LlamaForCausalLM(nn.Module):
         put(self, "embed_tokens", take("model.embed_tokens.weight"))
         put(self.norm, "weight", take("model.norm.weight"))
         if self.lm_head is not None:
-            put(self, "lm_head", take("lm_head.weight"))
+            put(self.lm_head, "weight", take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            put(attn, "qkv_proj", take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
-            if attn.qkv_bias is not None:
-                put(attn, "qkv_bias", take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")))
-            put(attn, "o_proj", take(p + "self_attn.o_proj.weight"))
-            put(layer.mlp, "gate_up_proj", take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-            put(layer.mlp, "down_proj", take(p + "mlp.down_proj.weight"))
+            put(attn.qkv_proj, "weight", take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
+            if attn.qkv_proj.bias is not None:
+                put(attn.qkv_proj, "bias", take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")))
+            put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"))
+            put(layer.mlp.gate_up_proj, "weight", take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
+            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"))
             put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
             put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))

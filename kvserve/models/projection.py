@@ -1,0 +1,80 @@
+"""Linear projections whose weights are laid out for the device that runs them.
+
+Checkpoints store a projection as Hugging Face does, ``weight [out, in]`` and
+``y = x @ weight.T``. On a CPU in fp32 that is the slow way round for the small
+row counts of decode: MKL's sgemm with a transposed right operand runs 16-row
+products at ~2/3 the speed of the same product on a ``[in, out]`` copy (measured on
+this repo's default model, one thread: 30 layers' projections 46.6 -> 27.3 ms per
+step; and bit-identical results from 16 rows up). ``pack()`` re-lays the weight
+once, after the model reached its device and dtype:
+
+- ``"out_in"``: as loaded (GPU, bf16/fp16): ``F.linear``.
+- ``"in_out"``: CPU fp32: a contiguous ``[in, out]`` copy, ``torch.mm`` / ``addmm``.
+- ``"onednn"``: CPU fp32 vocabulary heads: oneDNN's blocked layout, which streams a
+  large matrix faster at every row count (16 rows x 49152 x 576: 17.1 -> 12.3 ms)
+  and gives each row the same result whatever the batch size.
+
+No copy is kept in the old layout (the ``[in, out]`` copy replaces ``weight``). A
+vocabulary head tied to the embedding gets its own packed copy, since the embedding
+lookup needs the rows of the ``[vocab, hidden]`` matrix.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LAYOUTS = ("out_in", "in_out", "onednn")
+
+
+class Projection(nn.Module):
+    """``y = x @ W.T (+ bias)`` for ``x [T, in]``, with ``W`` given as ``[out, in]``."""
+
+    def __init__(self, out_features: int, in_features: int, bias: bool = False):
+        super().__init__()
+        self.out_features, self.in_features = out_features, in_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
+        self.layout = "out_in"
+        self._onednn_weight: torch.Tensor | None = None
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes of the oneDNN copy (which is not a parameter), 0 without one."""
+        w = self._onednn_weight
+        return 0 if w is None else w.numel() * w.element_size()
+
+    def pack(self, onednn: bool = False) -> str:
+        """Re-lay the weight for its device and dtype (see the module docstring); call
+        once, after ``.to(device, dtype)``. Returns the layout chosen."""
+        w = self.weight
+        if self.layout != "out_in" or w.device.type != "cpu" or w.dtype != torch.float32:
+            return self.layout
+        if onednn and torch.backends.mkldnn.is_available():
+            try:
+                self._onednn_weight = torch.ops.mkldnn._reorder_linear_weight(w.detach(), None)
+                self.weight = None
+                self.layout = "onednn"
+                return self.layout
+            except (RuntimeError, AttributeError):      # a torch build without the op: fall through
+                self._onednn_weight = None
+        self.weight = nn.Parameter(w.detach().t().contiguous(), requires_grad=False)
+        self.layout = "in_out"
+        return self.layout
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> [T, out]."""
+        if self.layout == "in_out":
+            return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
+        if self.layout == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._onednn_weight, self.bias,
+                                                      "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+    def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x @ W.T`` in place (a residual stream: no separate add pass)."""
+        if self.layout == "onednn":
+            return out.add_(self.forward(x))
+        if self.bias is not None:
+            out.add_(self.bias)
+        return out.addmm_(x, self.weight if self.layout == "in_out" else self.weight.t())
