@@ -101,15 +101,14 @@ class LlamaForCausalLM(nn.Module):
         once, after ``.to``); see ``kvserve.models.projection``. Returns the layouts
         chosen, by role. A tied vocabulary head gets its own packed copy on CPU fp32."""
         layouts = {}
-        for module in self.modules():
-            if isinstance(module, Projection) and module is not self.lm_head:
-                layouts["layers"] = module.pack()
-        if self.lm_head is not None:
-            layouts["head"] = self.lm_head.pack(onednn=True)
-        elif self.embed_tokens.device.type == "cpu" and self.embed_tokens.dtype == torch.float32:
-            head = Projection(*self.embed_tokens.shape)
-            head.weight = self.embed_tokens
-            layouts["head"] = head.pack(onednn=True)
+        for name, module in self.named_modules():
+            if isinstance(module, Projection):
+                layouts[name.rsplit(".", 1)[-1]] = module.pack()
+        table = self.embed_tokens
+        if self.lm_head is None and table.device.type == "cpu" and table.dtype == torch.float32:
+            head = Projection(*table.shape)
+            head.weight = table
+            layouts["lm_head"] = head.pack(onednn=True)
             self._packed_tied_head = head if head.layout == "onednn" else None
         return layouts
 
