@@ -108,6 +108,8 @@ class EngineCore:
         self.weight_layouts = model.pack_weights()
         self.weight_bytes = model.weight_bytes()
         self.decode_read_bytes = model.decode_read_bytes()
+        logger.info("weights: %.1f MB (%.1f MB read per decode step), layouts %s", self.weight_bytes / 1e6,
+                    self.decode_read_bytes / 1e6, self.weight_layouts)
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings,
                                  mc.max_position_embeddings)
         self.spec_config = _spec_config(config.speculative)

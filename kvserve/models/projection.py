@@ -26,7 +26,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYOUTS = ("out_in", "in_out", "onednn")
 ONEDNN_MIN_WIDTH = 2        # out / in ratio from which the oneDNN layout is chosen
 
 
