@@ -1,20 +1,21 @@
 """Cross-check ``kvserve bench`` against an independent tool, NVIDIA's aiperf.
 
 Default (a quiet machine): the two clients take turns on ONE kvserve server with the
-SAME requests (random-word chat prompts of about --input-len tokens, about --output-len
-tokens with ignore_eos, lengths spread so that requests do not move in lock-step waves,
-whose TTFT flips between one and two engine steps) at the same concurrency: a warm-up, then kvserve bench, aiperf, kvserve bench,
-aiperf; each tool's figure is the mean of its two runs. The server runs without its prefix
-cache (the prompts repeat), so both see identical server work and any difference is the
-clients' measurement. aiperf's TTFT p50, inter-token latency p50 (its
-name for TPOT) and output token throughput must match kvserve bench's within 10%; both count
-tokens from the server's ``usage``.
+SAME requests at the same concurrency: a warm-up, then kvserve bench, aiperf, kvserve
+bench, aiperf; each tool's figure is the mean of its two runs. Requests are random-word
+chat prompts of about --input-len tokens asking for about --output-len tokens (ignore_eos),
+lengths spread by --spread so that requests do not move in lock-step waves, whose TTFT
+flips between one and two engine steps. The server runs without its prefix cache (the
+prompts repeat), so both tools see identical server work and any difference is the
+clients' measurement. aiperf's TTFT p50, inter-token latency p50 (its name for TPOT) and
+output token throughput must match kvserve bench's within 10%; both count tokens from
+the server's ``usage``.
 
 ``--side-by-side`` (a shared machine, where runs one after the other see different load):
 both clients drive the server at the same time, each with its own requests from the same
-distribution. Their request waves then lock into a fixed phase (all outputs have the same
-length), so once TTFT is as short as a prefill step the client that lands second measures
-about one more step of TTFT; use it only where load, not the engine, sets TTFT.
+distribution. With equal lengths their request waves lock into a fixed phase, and once
+TTFT is as short as a prefill step the client that lands second measures about one more
+step of TTFT; use it only where load, not the engine, sets TTFT.
 
     bash benchmarks/serving_setup_aiperf.sh               # once: aiperf in .venv/aiperf-env
     .venv/bin/python benchmarks/serving_aiperf_check.py --out benchmarks/serving_aiperf_check.json
@@ -45,7 +46,8 @@ TOLERANCE = 0.10
 
 
 def default_aiperf() -> str:
-    for path in (os.path.join(ROOT, ".venv", "aiperf-env", "bin", "aiperf"), os.path.join(ROOT, ".venv", "bin", "aiperf")):
+    for path in (os.path.join(ROOT, ".venv", "aiperf-env", "bin", "aiperf"),
+                 os.path.join(ROOT, ".venv", "bin", "aiperf")):
         if os.path.exists(path):
             return path
     return "aiperf"

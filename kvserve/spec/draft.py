@@ -126,7 +126,8 @@ class DraftModelProposer:
         if not self.shares_target_kv:
             start = min(self._computed.get(s.seq_id, start), start)
             self._computed[s.seq_id] = end
-        tokens = s.token_ids if start == s.start_position else token_slice(s.prompt_token_ids, s.output_token_ids, start, end)
+        tokens = (s.token_ids if start == s.start_position
+                  else token_slice(s.prompt_token_ids, s.output_token_ids, start, end))
         return ScheduledSeq(s.seq_id, list(tokens), start, s.block_table, s.num_draft_slots > 0, s.params,
                             s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.sibling_index)
 

@@ -99,7 +99,7 @@ def _rejection_groups(logits, rows, groups, generator, accepted, final) -> None:
         chosen = g.draft_token_ids[:a] + [int(final_tokens[b])]
         span = list(range(g.first_row, g.first_row + a + 1))
         lps, tops = raw_logprobs(logits[span].float(), [rows[i] for i in span],
-                                  torch.tensor(chosen, dtype=torch.long, device=device))
+                                 torch.tensor(chosen, dtype=torch.long, device=device))
         toks = [SampledToken(t, lp, top) for t, lp, top in zip(chosen, lps, tops)]
         accepted[g.seq_id] = toks[:-1]
         final[g.seq_id] = toks[-1]
