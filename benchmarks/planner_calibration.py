@@ -28,7 +28,6 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(HERE))
 
 
 def engine_core_lengths(num_requests: int = 64, seed: int = 0) -> list[tuple[int, int]]:

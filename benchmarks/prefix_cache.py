@@ -30,7 +30,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kvserve.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
 from kvserve.sampling.params import SamplingParams  # noqa: E402

@@ -33,12 +33,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving_common import ROOT, KVServe, bench, emit_report, pin_self  # noqa: E402
 
-from kvserve.bench.cli import export_dataset  # noqa: E402
-from kvserve.bench.workloads import build_workload  # noqa: E402
+from kvserve.loadgen.cli import export_dataset  # noqa: E402
+from kvserve.loadgen.workloads import build_workload  # noqa: E402
 from kvserve.loader import default_model_path  # noqa: E402
 from kvserve.tokenizer import Tokenizer  # noqa: E402
 

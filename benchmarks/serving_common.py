@@ -1,5 +1,5 @@
 """Shared pieces of the serving benchmarks: pinned server processes, CPU-time accounting,
-the offline baseline, and one bench run through kvserve.bench's runner.
+the offline baseline, and one bench run through kvserve.loadgen's runner.
 
 Every figure is measured in the same run as its baseline. On a shared machine the
 wall-clock figures move with other load, so each run also reports output tokens per
@@ -17,11 +17,10 @@ import time
 import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
-from kvserve.bench.report import summarize  # noqa: E402
-from kvserve.bench.runner import ClientConfig, Runner  # noqa: E402
-from kvserve.server.testing import ServerProcess, free_port  # noqa: E402
+from kvserve.loadgen.report import summarize  # noqa: E402
+from kvserve.loadgen.runner import ClientConfig, Runner  # noqa: E402
+from server_process import ServerProcess, free_port  # noqa: E402
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -15,11 +15,10 @@ import os
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving_common import KVServe, bench, emit_report, offline, pin_self, ratio  # noqa: E402
 
-from kvserve.bench.workloads import build_workload  # noqa: E402
+from kvserve.loadgen.workloads import build_workload  # noqa: E402
 from kvserve.loader import default_model_path  # noqa: E402
 from kvserve.tokenizer import Tokenizer  # noqa: E402
 

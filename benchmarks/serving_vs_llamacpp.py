@@ -20,12 +20,11 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from serving_common import (KVServe, LlamaServer, bench, default_llama_server, emit_report, offline, pin_self,  # noqa: E402
                             ratio)
 
-from kvserve.bench.workloads import build_workload  # noqa: E402
+from kvserve.loadgen.workloads import build_workload  # noqa: E402
 from kvserve.loader import default_model_path  # noqa: E402
 from kvserve.tokenizer import Tokenizer  # noqa: E402
 

@@ -29,13 +29,12 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
 from kvserve import LLM  # noqa: E402
 from kvserve.sampling.params import SamplingParams  # noqa: E402
-from kvserve.spec.controller import expected_tokens  # noqa: E402
+from kvserve.speculative.controller import expected_tokens  # noqa: E402
 
 CHAT_QUESTIONS = [
     "What is the capital of France, and what is it famous for?",
@@ -174,7 +173,7 @@ def main() -> None:
 
 
 def _spec(method: str, k: int):
-    from kvserve.spec.config import SpeculativeConfig
+    from kvserve.speculative.config import SpeculativeConfig
     return SpeculativeConfig.parse(method, num_speculative_tokens=k)
 
 

@@ -9,7 +9,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 def __getattr__(name: str):
     # Lazy so that `import kvserve.planner` never pays for torch.
     if name == "LLM":
-        from kvserve.llm import LLM
+        from kvserve.frontend.llm import LLM
         return LLM
     if name == "SamplingParams":
         from kvserve.sampling.params import SamplingParams

@@ -8,11 +8,11 @@ import sys
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve LLM inference server")
     sub = parser.add_subparsers(dest="command", required=True)
-    from kvserve.generate_cli import register as register_generate
+    from kvserve.frontend.generate_cli import register as register_generate
     register_generate(sub)
     from kvserve.server.cli import register as register_serve
     register_serve(sub)
-    from kvserve.bench.cli import register as register_bench
+    from kvserve.loadgen.cli import register as register_bench
     register_bench(sub)
     try:
         from kvserve.planner.cli import register as register_planner

@@ -8,9 +8,9 @@ import sys
 
 import pytest
 
-from kvserve.bench.report import summarize
-from kvserve.bench.runner import ClientConfig, Runner
-from kvserve.bench.workloads import build_workload
+from kvserve.loadgen.report import summarize
+from kvserve.loadgen.runner import ClientConfig, Runner
+from kvserve.loadgen.workloads import build_workload
 
 
 def test_workloads_have_the_asked_shapes(tokenizer):
@@ -28,7 +28,7 @@ def test_workloads_have_the_asked_shapes(tokenizer):
 
 @pytest.mark.model
 def test_bench_runs_every_workload_against_a_server(tokenizer):
-    from kvserve.server.testing import ServerProcess
+    from benchmarks.server_process import ServerProcess
     with ServerProcess("--threads", "1", "--kv-cache-gib", "0.1", "--max-num-seqs", "8") as server:
         for name, endpoint in (("random", "chat"), ("shared-prefix", "chat"), ("multi-turn", "chat"),
                                ("code", "completions")):

@@ -1,7 +1,7 @@
 """Tier 1: the block pool (no model, no torch)."""
 import pytest
 
-from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.kv.block_pool import BlockPool
 
 
 def test_allocate_free_roundtrip():

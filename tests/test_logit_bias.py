@@ -11,7 +11,8 @@ from kvserve.engine.engine_core import EngineCore
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling import (MAX_LOGIT_BIAS, Sampler, SamplingParams, apply_logit_bias,
                               process_logits)
-from kvserve.server import codec, protocol
+from kvserve.ipc import codec
+from kvserve.server import protocol
 from kvserve.server.serving import check_logit_bias
 
 from tests.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)

@@ -164,7 +164,7 @@ def test_plots_are_written(tmp_path, capsys):
 
 
 def test_scheduler_replay_matches_the_engine_scheduler():
-    from kvserve.engine.block_pool import BlockPool
+    from kvserve.engine.kv.block_pool import BlockPool
     from kvserve.engine.scheduler import Scheduler, SchedulerConfig
     from kvserve.engine.sequence import Sequence
     from kvserve.engine.step import SampledToken, StepResult

@@ -6,9 +6,9 @@ references, leaving the cache's one (cached-only blocks).
 """
 import pytest
 
-from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.prefix_cache import PrefixCache
-from kvserve.engine.prefix_events import BlockRemoved, BlockStored, CacheNamespace, block_hash, namespace_seed
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.prefix_cache import PrefixCache
+from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace, block_hash, namespace_seed
 
 NS = CacheNamespace()
 
@@ -227,7 +227,7 @@ def test_stats_and_bad_inserts():
 def test_generate_cli_accepts_no_prefix_cache():
     import argparse
 
-    from kvserve.generate_cli import register
+    from kvserve.frontend.generate_cli import register
     parser = argparse.ArgumentParser()
     register(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["generate", "--prompt", "hi"]).prefix_cache is True

@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from kvserve import LLM
-from kvserve.engine.prefix_events import CacheNamespace
+from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.sampling.params import SamplingParams
 from tests.parity import compare_greedy, top2_gaps_from_logprobs
 

@@ -3,7 +3,7 @@ import itertools
 
 import pytest
 
-from kvserve.engine.block_pool import BlockPool
+from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence
 from kvserve.engine.step import SampledToken, StepResult

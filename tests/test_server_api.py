@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from kvserve.server.testing import ServerProcess
+from benchmarks.server_process import ServerProcess
 from tests.prompt_set import CHAT_QUESTIONS, RAW_TEXTS
 
 pytestmark = pytest.mark.model

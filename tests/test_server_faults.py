@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from kvserve.server.metrics import parse_metrics
-from kvserve.server.testing import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

@@ -10,7 +10,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.server.testing import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 

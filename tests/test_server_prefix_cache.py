@@ -10,10 +10,10 @@ import itertools
 import httpx
 import pytest
 
-from kvserve.server import codec
+from kvserve.ipc import codec
 from kvserve.server.auth import NO_AUTH_CACHE_SALT, cache_salt
 from kvserve.server.protocol import InvalidRequestError, parse_chat, parse_completion
-from kvserve.server.testing import ServerProcess
+from benchmarks.server_process import ServerProcess
 
 ALICE = "pc-key-alice"
 BOB = "pc-key-bob"

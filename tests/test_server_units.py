@@ -5,12 +5,13 @@ import math
 
 import pytest
 
-from kvserve.bench.report import percentile, summarize
-from kvserve.bench.runner import RequestRecord
+from kvserve.loadgen.report import percentile, summarize
+from kvserve.loadgen.runner import RequestRecord
 from kvserve.engine.step import SampledToken, SeqUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import SamplingParams
-from kvserve.server import codec, protocol
+from kvserve.ipc import codec
+from kvserve.server import protocol
 from kvserve.server.auth import load_keys, match_key
 from kvserve.server.metrics import ServerMetrics, parse_metrics
 

@@ -21,7 +21,7 @@ import math
 import pytest
 import torch
 
-from kvserve.spec.rejection import rejection_sample
+from kvserve.speculative.rejection import rejection_sample
 
 V = 12               # vocabulary
 K = 3                # drafts per row

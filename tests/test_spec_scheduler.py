@@ -9,9 +9,9 @@ import random
 
 import pytest
 
-from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.prefix_cache import PrefixCache
-from kvserve.engine.prefix_events import CacheNamespace
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.prefix_cache import PrefixCache
+from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from kvserve.engine.step import SampledToken, StepPlan, StepResult

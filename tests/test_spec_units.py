@@ -17,10 +17,10 @@ from kvserve.engine.engine_core import _spec_config
 from kvserve.engine.step import ScheduledSeq, StepPlan
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import SamplingParams
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.controller import (PRIOR_ALPHA, PROBE_EVERY, LinearTimeModel, SpecController, SpecStats,
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.controller import (PRIOR_ALPHA, PROBE_EVERY, LinearTimeModel, SpecController, SpecStats,
                                      expected_tokens)
-from kvserve.spec.ngram import NgramProposer, propose_ngram
+from kvserve.speculative.ngram import NgramProposer, propose_ngram
 
 EOS = 0
 

@@ -15,19 +15,19 @@ from dataclasses import dataclass
 
 import torch
 
-from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.kv_cache import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.tensors import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.engine.prefix_cache import PrefixCache
-from kvserve.engine.prefix_events import CacheEvent, CacheNamespace
+from kvserve.engine.kv.prefix_cache import PrefixCache
+from kvserve.engine.kv.cache_events import CacheEvent, CacheNamespace
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence
 from kvserve.engine.step import SeqUpdate
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
-from kvserve.planner.kv_memory import kv_bytes_per_token as planner_kv_bytes_per_token
+from kvserve.engine.kv.sizing import kv_bytes_per_token as planner_kv_bytes_per_token
 from kvserve.sampling.params import SamplingParams
-from kvserve.spec.config import SpeculativeConfig
-from kvserve.spec.controller import SpecController
+from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.controller import SpecController
 
 logger = logging.getLogger("kvserve.engine")
 
@@ -50,7 +50,7 @@ class EngineConfig:
     enable_prefix_cache: bool = True      # reuse KV blocks across requests (--no-prefix-cache)
     prefix_cache_grace_s: float = 0.0     # a finished request's blocks stay unevictable this long
     # Speculative decoding: None (off), "ngram", "draft:<model>", "self:<layers>", or a
-    # kvserve.spec.config.SpeculativeConfig (or a dict of its fields) for the finer knobs.
+    # kvserve.speculative.config.SpeculativeConfig (or a dict of its fields) for the finer knobs.
     speculative: object = None
 
 
@@ -277,8 +277,8 @@ class EngineCore:
 
     def _build_proposer(self, model, kv_cache: torch.Tensor, draft):
         from kvserve.attention import get_backend
-        from kvserve.spec.draft import DraftModelProposer, truncated_model
-        from kvserve.spec.ngram import NgramProposer
+        from kvserve.speculative.draft import DraftModelProposer, truncated_model
+        from kvserve.speculative.ngram import NgramProposer
 
         spec, cfg = self.spec_config, self.config
         if spec.method == "ngram":

@@ -12,7 +12,7 @@ import torch
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
-from kvserve.spec.verify import DraftGroup, verify
+from kvserve.speculative.verify import DraftGroup, verify
 
 
 class ModelRunner:
@@ -33,7 +33,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, plan: StepPlan, draft_probs=None) -> StepResult:
         """Run one step: KV block copies, one forward over all scheduled tokens (drafts
-        included), sampling, and verification of drafts (``kvserve.spec.verify``).
+        included), sampling, and verification of drafts (``kvserve.speculative.verify``).
         ``draft_probs(seq_id)`` gives a sequence's draft distributions, if it has any."""
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)

@@ -23,8 +23,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.prefix_cache import PrefixCache
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.prefix_cache import PrefixCache
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from kvserve.engine.step import ScheduledSeq, SeqUpdate, StepPlan, StepResult
 
@@ -46,7 +46,7 @@ class Scheduler:
         self.config = config
         self.block_pool = block_pool
         self.prefix_cache = prefix_cache       # None: no caching at all
-        self.spec = spec_controller            # kvserve.spec.controller.SpecController, or None
+        self.spec = spec_controller            # kvserve.speculative.controller.SpecController, or None
         self.max_model_len = max_model_len     # drafts never run past it
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
         self._running: list[Sequence] = []

@@ -4,8 +4,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from kvserve.engine.prefix_cache import PrefixHandle
-from kvserve.engine.prefix_events import CacheNamespace
+from kvserve.engine.kv.prefix_cache import PrefixHandle
+from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.sampling.params import SamplingParams
 
 

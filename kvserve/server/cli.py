@@ -75,7 +75,7 @@ def speculative_config(args):
     plain dict: it travels to the engine process in the codec; None: off)."""
     import dataclasses
 
-    from kvserve.spec.config import SpeculativeConfig
+    from kvserve.speculative.config import SpeculativeConfig
     spec = getattr(args, "speculative", None)
     if not spec:
         return None

@@ -1,6 +1,6 @@
 """The HTTP process's handle on the engine process.
 
-Spawns ``python -m kvserve.server.engine_proc`` with one end of a socket pair,
+Spawns ``python -m kvserve.ipc.engine_proc`` with one end of a socket pair,
 sends it codec messages, and turns what comes back into per-request events:
 
     engine ──StepOutputs──▶ OutputProcessor.process_deltas ──▶ sink queue of the HTTP request
@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.errors import KVServeError
-from kvserve.output_processor import OutputProcessor
-from kvserve.outputs import RequestOutput
+from kvserve.frontend.output_processor import OutputProcessor
+from kvserve.frontend.outputs import RequestOutput
 from kvserve.sampling.params import SamplingParams
-from kvserve.server import codec
+from kvserve.ipc import codec
 from kvserve.server.auth import cache_salt
 from kvserve.server.errors import ServiceUnavailableError
 from kvserve.server.metrics import ServerMetrics
@@ -78,7 +78,7 @@ class EngineClient:
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "kvserve.server.engine_proc", "--fd", str(child.fileno())],
+            [sys.executable, "-m", "kvserve.ipc.engine_proc", "--fd", str(child.fileno())],
             pass_fds=(child.fileno(),), env=env)
         child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)

@@ -9,7 +9,7 @@ import math
 import time
 from functools import lru_cache
 
-from kvserve.outputs import CompletionOutput
+from kvserve.frontend.outputs import CompletionOutput
 
 NEG_INF_LOGPROB = -9999.0      # JSON has no -Infinity: a token with no mass reports this
 

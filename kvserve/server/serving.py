@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import AsyncIterator
 
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
-from kvserve.output_processor import CompletionDelta
-from kvserve.outputs import RequestOutput
+from kvserve.frontend.output_processor import CompletionDelta
+from kvserve.frontend.outputs import RequestOutput
 from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse

@@ -1,7 +1,7 @@
 """The engine-core process: owns the model, the scheduler and the KV cache.
 
-Started by the HTTP process as ``python -m kvserve.server.engine_proc --fd N`` with
-one end of a socket pair; everything on it goes through :mod:`kvserve.server.codec`.
+Started by the HTTP process as ``python -m kvserve.ipc.engine_proc --fd N`` with
+one end of a socket pair; everything on it goes through :mod:`kvserve.ipc.codec`.
 It never sees HTTP, JSON or text.
 
 Loop (one iteration per engine step)::
@@ -23,7 +23,7 @@ import select
 import socket
 import sys
 
-from kvserve.server import codec
+from kvserve.ipc import codec
 
 logger = logging.getLogger("kvserve.engine_proc")
 IDLE_POLL_S = 0.5

@@ -7,7 +7,7 @@ import os
 import torch
 
 from kvserve.config import ModelConfig
-from kvserve.planner.kv_memory import KVCachePlan, kv_cache_plan
+from kvserve.engine.kv.sizing import KVCachePlan, kv_cache_plan
 
 logger = logging.getLogger("kvserve.kv_cache")
 

@@ -25,8 +25,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
-from kvserve.engine.block_pool import BlockPool
-from kvserve.engine.prefix_events import (BlockRemoved, BlockStored, CacheEvent, CacheNamespace, block_hash,
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.cache_events import (BlockRemoved, BlockStored, CacheEvent, CacheNamespace, block_hash,
                                           namespace_seed)
 
 

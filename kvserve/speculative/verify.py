@@ -8,7 +8,7 @@ the drafts equal those samples, then the first sample that differs (or the bonus
 token). For point-mass proposals (n-gram, greedy or seed-coupled drafts) that is
 exact rejection sampling and reproduces the non-speculative tokens one for one.
 Unseeded sampled rows with a draft *distribution* use textbook rejection sampling
-(:mod:`kvserve.spec.rejection`), which accepts more often.
+(:mod:`kvserve.speculative.rejection`), which accepts more often.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ import torch
 
 from kvserve.engine.step import SampledToken
 from kvserve.sampling.sampler import SamplingRow, process_logits, raw_logprobs, sampling_probs
-from kvserve.spec.rejection import rejection_sample
+from kvserve.speculative.rejection import rejection_sample
 
 
 def target_distributions(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 
-from kvserve.bench.runner import RequestRecord
+from kvserve.loadgen.runner import RequestRecord
 
 PERCENTILES = (50, 90, 99)
 

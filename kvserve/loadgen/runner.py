@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.bench.workloads import BenchRequest
+from kvserve.loadgen.workloads import BenchRequest
 
 
 @dataclass

@@ -30,7 +30,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sequence import token_slice
 from kvserve.engine.step import ScheduledSeq, StepPlan
 from kvserve.sampling.sampler import SamplingRow, seeded_exponentials
-from kvserve.spec.verify import target_distributions
+from kvserve.speculative.verify import target_distributions
 
 
 def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:

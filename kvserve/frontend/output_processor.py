@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.engine.step import SeqUpdate
-from kvserve.outputs import CompletionOutput, RequestOutput
+from kvserve.frontend.outputs import CompletionOutput, RequestOutput
 from kvserve.sampling.params import SamplingParams
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
 

@@ -46,7 +46,7 @@ def _read_prompts(args) -> list[str]:
 
 def run(args) -> int:
     from kvserve.errors import KVServeError
-    from kvserve.llm import LLM
+    from kvserve.frontend.llm import LLM
     from kvserve.sampling.params import SamplingParams
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)

@@ -7,8 +7,8 @@ from typing import Any, Sequence
 
 from kvserve.engine.engine_core import EngineConfig, EngineCore
 from kvserve.errors import InvalidRequestError
-from kvserve.output_processor import OutputProcessor
-from kvserve.outputs import RequestOutput
+from kvserve.frontend.output_processor import OutputProcessor
+from kvserve.frontend.outputs import RequestOutput
 from kvserve.sampling.params import SamplingParams
 
 PromptLike = Any   # str | list[int] | list[chat message dict] | {"prompt"|"prompt_token_ids"|"messages": ...}

@@ -64,8 +64,8 @@ def export_dataset(requests, path: str) -> None:
 
 
 async def run_sweep(args, requests, warmup, model: str | None) -> list[dict]:
-    from kvserve.bench.report import summarize
-    from kvserve.bench.runner import ClientConfig, Runner
+    from kvserve.loadgen.report import summarize
+    from kvserve.loadgen.runner import ClientConfig, Runner
     config = ClientConfig(args.url, model, args.endpoint, args.api_key, args.temperature, args.ignore_eos,
                           args.timeout)
     results = []
@@ -91,8 +91,8 @@ def _progress(args, total: int, concurrency: int):
 
 
 def run(args) -> int:
-    from kvserve.bench.report import format_table
-    from kvserve.bench.workloads import build_workload
+    from kvserve.loadgen.report import format_table
+    from kvserve.loadgen.workloads import build_workload
     from kvserve.loader import resolve_model_path
     from kvserve.tokenizer import Tokenizer
 

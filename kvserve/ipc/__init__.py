@@ -1,0 +1,1 @@
+"""The engine-core process and the one codec between it and the HTTP process."""
