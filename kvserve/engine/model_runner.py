@@ -10,6 +10,7 @@ import time
 import torch
 
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kvserve.engine.decode_groups import decode_groups
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
 from kvserve.speculative.verify import DraftGroup, verify
@@ -143,22 +144,9 @@ class ModelRunner:
                 meta, torch.tensor(sample_rows, device=self.device))
 
     def _decode_groups(self, rows, tables, lens) -> list[DecodeGroup]:
-        """Sort single-token sequences by context length and cut them into groups whose
-        padded size wastes at most ~25% over the group's real tokens."""
-        order = sorted(range(len(rows)), key=lambda i: lens[i])
-        groups, current = [], []
-        for i in order:
-            candidate = current + [i]
-            padded = len(candidate) * len(tables[i])          # longest so far is the last
-            real = sum(len(tables[j]) for j in candidate)
-            if current and padded > 1.25 * real + 4 * len(candidate):
-                groups.append(current)
-                candidate = [i]
-            current = candidate
-        if current:
-            groups.append(current)
+        """Single-token sequences batched by ``kvserve.engine.decode_groups``."""
         return [self._decode_group([rows[i] for i in g], [tables[i] for i in g], [lens[i] for i in g])
-                for g in groups]
+                for g in decode_groups(lens, self.block_size)]
 
     def _decode_group(self, rows, tables, lens) -> DecodeGroup:
         max_blocks = max(len(t) for t in tables)

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from kvserve.engine.decode_groups import decode_groups
 from kvserve.planner.roofline import CostModel, StepWork, chunk_attention, step_time
 
 
@@ -77,24 +78,6 @@ def schedule_offline(requests: Sequence[tuple[int, int]], limits: SchedulerLimit
     return steps
 
 
-def decode_groups(contexts: Sequence[int], block_size: int) -> list[list[int]]:
-    """The torch backend's decode batching: sequences sorted by length, cut into groups whose
-    padded blocks exceed the real ones by at most 25% (+4 blocks per sequence); each group is
-    one kernel reading ``len(group) x its longest`` blocks (mirrors ModelRunner._decode_groups)."""
-    groups: list[list[int]] = []
-    current: list[int] = []
-    for ctx in sorted(contexts):
-        candidate = current + [ctx]
-        blocks = [-(-c // block_size) for c in candidate]
-        if current and len(candidate) * blocks[-1] > 1.25 * sum(blocks) + 4 * len(candidate):
-            groups.append(current)
-            candidate = [ctx]
-        current = candidate
-    if current:
-        groups.append(current)
-    return groups
-
-
 def step_work(shape: StepShape, mode: str, block_size: int = 16) -> StepWork:
     """The StepWork of one step: decode kernels over single-token rows, one per multi-token chunk.
 
@@ -104,7 +87,8 @@ def step_work(shape: StepShape, mode: str, block_size: int = 16) -> StepWork:
     decode_ctx = [start + n for start, n in shape.chunks if n == 1]
     attn = []
     if decode_ctx and mode == "padded":
-        for group in decode_groups(decode_ctx, block_size):
+        for indices in decode_groups(decode_ctx, block_size):
+            group = [decode_ctx[i] for i in indices]
             kv = len(group) * -(-max(group) // block_size) * block_size
             attn.append((float(kv), float(kv)))
     elif decode_ctx:
