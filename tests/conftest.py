@@ -35,5 +35,5 @@ def llm(model_path):
 
 @pytest.fixture(scope="session")
 def prompts(tokenizer) -> list[list[int]]:
-    from tests.prompt_set import build_prompts
+    from tests.support.prompt_set import build_prompts
     return build_prompts(tokenizer)

@@ -15,7 +15,7 @@ from kvserve.ipc import codec
 from kvserve.server import protocol
 from kvserve.server.serving import check_logit_bias
 
-from tests.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
+from tests.support.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
 
 INF = math.inf
 

@@ -5,7 +5,7 @@
   per-sequence ``k`` decisions from a synthetic step-time model, probing, caps;
 - ``SpeculativeConfig`` parsing and validation.
 
-The scheduler with draft slots is tested in ``tests/test_spec_scheduler.py``.
+The scheduler with draft slots is tested in ``tests/unit/test_spec_scheduler.py``.
 """
 from __future__ import annotations
 

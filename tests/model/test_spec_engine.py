@@ -4,7 +4,7 @@ For each proposer (``ngram``, ``self:8``, ``draft:<default model>``) on a KV poo
 enough to preempt, in batches mixing speculating and non-speculating requests:
 
 - greedy outputs equal the non-speculative engine's, token for token (a divergence
-  is tolerated only at a genuine near-tie, as in ``tests/parity.py``, and printed);
+  is tolerated only at a genuine near-tie, as in ``tests/support/parity.py``, and printed);
 - seeded sampled requests are path-identical with speculation on and off, and so are
   penalties, min_tokens, stop strings, logit_bias, filters, n > 1 and logprobs;
 - unseeded sampled requests (rejection sampling) finish with the pool intact;
@@ -12,7 +12,7 @@ enough to preempt, in batches mixing speculating and non-speculating requests:
 
 These engines force speculation at full k every step (``force_speculation``): on CPU
 a draft as large as the target never pays, and the controller rightly turns it off;
-the controller itself is covered by ``test_spec_units.py`` and one unforced n-gram run.
+the controller itself is covered by ``tests/unit/test_spec_units.py`` and one unforced n-gram run.
 With the target as its own draft (``draft:<default>``, ``self:30``) every draft is accepted.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from kvserve import LLM
 from kvserve.engine.engine_core import kv_bytes_per_token
 from kvserve.loader.api import default_model_path
 from kvserve.sampling.params import SamplingParams
-from tests.parity import compare_greedy, top2_gaps_from_logprobs
+from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
 
 pytestmark = pytest.mark.model
 

@@ -11,7 +11,7 @@ from kvserve.sampling import (Sampler, SamplingRow, apply_penalties,
                               process_logits)
 from kvserve.sampling.sampler import apply_filters, apply_temperature
 
-from tests.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
+from tests.support.sampler_rows import _one_thread, row  # noqa: F401  (autouse fixture)
 
 INF = math.inf
 

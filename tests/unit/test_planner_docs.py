@@ -11,7 +11,7 @@ import pytest
 
 from kvserve.planner.cli import main
 
-DOC = os.path.join(os.path.dirname(__file__), os.pardir, "docs", "planner.md")
+DOC = os.path.join(os.path.dirname(__file__), os.pardir, os.pardir, "docs", "planner.md")
 
 
 def examples() -> list[tuple[str, list[str]]]:

@@ -28,7 +28,7 @@ def test_fp32_gpu_matches_cpu(model_path, llm, prompts):
     gpu = LLM(model_path, device="cuda", dtype="float32", kv_cache_bytes=2**30)
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     chosen = [{"prompt_token_ids": p} for p in prompts[:16]]
-    from tests.parity import compare_greedy, top2_gaps_from_logprobs
+    from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
     ref = llm.generate(chosen, greedy)
     ours = gpu.generate(chosen, greedy)
     compare_greedy([r.outputs[0].token_ids for r in ref], [o.outputs[0].token_ids for o in ours],

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kvserve.sampling.params import SamplingParams
-from tests.parity import compare_greedy
+from tests.support.parity import compare_greedy
 
 pytestmark = pytest.mark.model
 

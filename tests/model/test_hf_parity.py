@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kvserve.sampling.params import SamplingParams
-from tests.parity import compare_greedy, top2_gaps_from_logprobs
+from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
 
 NEW_TOKENS = 32
 pytestmark = pytest.mark.model

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from benchmarks.server_process import ServerProcess
-from tests.prompt_set import CHAT_QUESTIONS, RAW_TEXTS
+from tests.support.prompt_set import CHAT_QUESTIONS, RAW_TEXTS
 
 pytestmark = pytest.mark.model
 

@@ -6,7 +6,7 @@ import pytest
 
 from kvserve import LLM
 from kvserve.sampling.params import SamplingParams
-from tests.parity import compare_greedy, top2_gaps_from_logprobs
+from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True, logprobs=2)
