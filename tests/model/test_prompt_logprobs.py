@@ -58,11 +58,3 @@ def test_prompt_logprobs_under_preemption_and_n(prompts, hf_prompt_logprobs):
     assert small.engine.scheduler.num_preemptions > 0
     _check(outputs, prompts[:6], hf_prompt_logprobs, 0)
     small.engine.check_integrity()
-
-
-def test_prompt_logprobs_validation():
-    from kvserve.errors import InvalidRequestError
-    for bad in (-1, 21, 1.5, True):
-        with pytest.raises(InvalidRequestError) as err:
-            SamplingParams(prompt_logprobs=bad).validate()
-        assert err.value.param == "prompt_logprobs"

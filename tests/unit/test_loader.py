@@ -1,7 +1,6 @@
-"""Checkpoint loaders: GGUF (real default model and synthetic files) and HF folders."""
+"""Tier 1: checkpoint loaders on synthetic GGUF files and HF folders (the real default model:
+tests/model/test_loader_default_model.py)."""
 from __future__ import annotations
-
-import os
 
 import gguf
 import numpy as np
@@ -10,8 +9,7 @@ import torch
 from gguf import GGMLQuantizationType as QT
 
 from kvserve.errors import ModelLoadError
-from kvserve.loader import (Checkpoint, default_model_path, load_checkpoint,
-                            resolve_model_path)
+from kvserve.loader import Checkpoint, load_checkpoint
 from kvserve.loader.gguf_loader import unpermute_rotary_rows
 
 # A tiny model whose rows (ggml ne[0] = 256) fit every quant block size, K-quants included.
@@ -90,60 +88,7 @@ def _write_tiny_gguf(path, arch: str, file_tensors: dict[str, tuple[np.ndarray, 
     writer.close()
 
 
-# ---------------------------------------------------------------- 1. the real default model
-
-@pytest.fixture(scope="module")
-def hf_reference():
-    """(our Checkpoint, HF model) for the default GGUF, loaded once per module."""
-    try:
-        path = default_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    transformers = pytest.importorskip("transformers")
-    os.environ["HF_HUB_OFFLINE"] = "1"
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32)
-    return load_checkpoint(None), model
-
-
-@pytest.mark.model
-def test_default_gguf_tensors_equal_transformers(hf_reference):
-    ckpt, model = hf_reference
-    assert ckpt.kind == "gguf" and ckpt.path == default_model_path()
-    reference = model.state_dict()
-    assert "lm_head.weight" not in ckpt.tensors  # tied
-    assert set(reference) - {"lm_head.weight"} == set(ckpt.tensors)
-    for name, tensor in ckpt.tensors.items():
-        assert tensor.dtype == torch.float32, name
-        assert tensor.shape == reference[name].shape, name
-        assert (tensor - reference[name]).abs().max().item() < 1e-6, name
-    assert torch.equal(reference["lm_head.weight"], ckpt.tensors["model.embed_tokens.weight"])
-
-
-@pytest.mark.model
-def test_default_gguf_config_equals_transformers(hf_reference):
-    cfg, ref = hf_reference[0].config, hf_reference[1].config
-    assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 9, 3)
-    assert (cfg.hidden_size, cfg.head_dim, cfg.rope_theta, cfg.tie_word_embeddings) == (
-        576, 64, 100000.0, True)
-    rope_theta = (getattr(ref, "rope_parameters", None) or {}).get("rope_theta") \
-        or getattr(ref, "rope_theta", None)
-    assert cfg.num_layers == ref.num_hidden_layers
-    assert cfg.num_heads == ref.num_attention_heads
-    assert cfg.num_kv_heads == ref.num_key_value_heads
-    assert cfg.hidden_size == ref.hidden_size
-    assert cfg.intermediate_size == ref.intermediate_size
-    assert cfg.head_dim == ref.head_dim
-    assert cfg.vocab_size == ref.vocab_size
-    assert cfg.rope_theta == rope_theta
-    assert cfg.rms_norm_eps == ref.rms_norm_eps
-    assert cfg.max_position_embeddings == ref.max_position_embeddings
-    assert cfg.tie_word_embeddings == ref.tie_word_embeddings
-    assert cfg.bos_token_id == ref.bos_token_id
-    assert ref.eos_token_id in cfg.eos_token_ids
-
-
-# ---------------------------------------------------------------- 2. dequantisation
+# ---------------------------------------------------------------- 1. dequantisation
 
 # Quantisable types: max abs error allowed, as a fraction of the tensor's max |x|.
 _QUANTISE_TOL = {QT.F32: 0.0, QT.F16: 1e-3, QT.BF16: 4e-3, QT.Q8_0: 0.005,
@@ -206,7 +151,7 @@ def test_dequantise_each_type(tmp_path, qtype):
         assert np.isfinite(got.numpy()).all(), name
 
 
-# ---------------------------------------------------------------- 3. llama q/k permutation
+# ---------------------------------------------------------------- 2. llama q/k permutation
 
 def test_unpermute_inverts_llama_cpp_permute():
     rng = np.random.default_rng(0)
@@ -254,7 +199,7 @@ def test_tiny_qwen2_gguf_keeps_qk_unpermuted(tmp_path):
         assert torch.equal(ckpt.tensors[name], torch.from_numpy(x)), name
 
 
-# ---------------------------------------------------------------- 4. Hugging Face folders
+# ---------------------------------------------------------------- 3. Hugging Face folders
 
 def _tiny_transformers_model(kind: str, tied: bool):
     transformers = pytest.importorskip("transformers")
@@ -305,16 +250,7 @@ def test_hf_folder_bf16_is_converted_to_float32(tmp_path):
         assert torch.equal(ckpt.tensors[name], tensor.float()), name
 
 
-# ---------------------------------------------------------------- 5. paths and errors
-
-def test_default_aliases_resolve_to_the_packaged_gguf():
-    try:
-        path = default_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    assert path.endswith(".gguf") and os.path.isfile(path)
-    for alias in (None, "default", "smollm2-135m-instruct"):
-        assert resolve_model_path(alias) == path
+# ---------------------------------------------------------------- 4. paths and errors
 
 
 def test_missing_path_raises(tmp_path):
@@ -333,17 +269,6 @@ def test_unsupported_file_kind_raises(tmp_path):
     (tmp_path / "weights.bin").write_bytes(b"\0" * 64)
     with pytest.raises(ModelLoadError):
         load_checkpoint(str(tmp_path / "weights.bin"))
-
-
-def test_truncated_real_gguf_raises(tmp_path):
-    try:
-        source = default_model_path()
-    except ModelLoadError as exc:
-        pytest.skip(str(exc))
-    with open(source, "rb") as fh:
-        (tmp_path / "cut.gguf").write_bytes(fh.read(1 << 20))
-    with pytest.raises(ModelLoadError, match="cut.gguf"):
-        load_checkpoint(str(tmp_path / "cut.gguf"))
 
 
 def test_gguf_with_truncated_tensor_data_raises(tmp_path):

@@ -1,17 +1,17 @@
-"""The planner's CLI, inputs (config.json, GGUF, hardware files), refusals, plots, the scheduler
-replay and the calibration fit. No engine, no network."""
+"""Tier 1: the planner's CLI, inputs (config.json, hardware files), refusals, plots, the
+scheduler replay and the calibration fit. No engine, no network (the default GGUF as
+input: tests/model/test_planner_gguf.py)."""
 from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import random
 
 import pytest
 
 from kvserve.planner.cli import main
 from kvserve.planner.hardware import CATALOG, hardware_to_dict, load_hardware_file, save_hardware_file
-from kvserve.planner.model_io import default_gguf_path, model_from_hf_config, resolve_model
+from kvserve.planner.model_io import model_from_hf_config, resolve_model
 from kvserve.planner.models import param_counts
 from kvserve.planner.presets import preset
 
@@ -108,20 +108,6 @@ def test_hf_config_json_input(tmp_path, capsys):
     code, out = run_json(capsys, "--model", str(path), "--gpu", "h200", "--weight-dtype", "fp8",
                          "--context", "8192", "--concurrency", "8")
     assert code == 0 and out["kv_bytes_per_token"] == 70_272
-
-
-@pytest.mark.skipif(default_gguf_path() is None or not os.path.exists(default_gguf_path() or ""),
-                    reason="default GGUF not installed")
-def test_gguf_input_matches_its_tensors(capsys):
-    import gguf
-
-    path = default_gguf_path()
-    m = resolve_model(path)
-    reader = gguf.GGUFReader(path)
-    assert param_counts(m).total == sum(int(t.n_elements) for t in reader.tensors)
-    assert (m.num_layers, m.num_heads, m.num_kv_heads, m.head_dim) == (30, 9, 3, 64)
-    code, out = run_json(capsys, "--model", path, "--gpu", "l4", "--context", "2048", "--concurrency", "8")
-    assert code == 0 and out["weight_bytes"] == m.native_weight_bytes and out["tp"] == 1
 
 
 def test_hardware_file_round_trip_and_price_override(tmp_path, capsys):
