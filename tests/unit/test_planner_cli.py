@@ -200,31 +200,30 @@ def test_calibration_fit_recovers_known_efficiencies():
     assert all(abs(r["error"]) < 0.05 for r in fit.per_run)
 
 
-def test_time_runs_uses_fresh_prompts_and_best_time():
+def test_time_runs_uses_fresh_prompts_and_best_time(monkeypatch):
+    import time
+
+    from kvserve.planner import profile
     from kvserve.planner.profile import time_runs
 
     seen = []
-    samples = time_runs(lambda prompts, n: seen.append((tuple(map(tuple, prompts)), n)),
-                        [((4, 4), 2), ((3,), 1)], vocab_size=1000, repeats=2)
+
+    def generate(prompts, n):                   # takes at least 10 ms per output token asked
+        seen.append((tuple(map(tuple, prompts)), n))
+        time.sleep(0.01 * n)
+    samples = time_runs(generate, [((4, 4), 2), ((3,), 1)], vocab_size=1000, repeats=2)
     assert [s.prompts for s in samples] == [(4, 4), (3,)]
     assert len(seen) == 4 and seen[0][0] != seen[1][0]            # never the same prompt twice
-    assert all(s.seconds >= 0 for s in samples)
+    # The best of the rounds is still a real wall time of that run: every round slept >= 0.01 x n.
+    assert [s.max_tokens for s in samples] == [2, 1]
+    assert all(s.seconds >= 0.01 * s.max_tokens for s in samples), samples
+    # Best of ``repeats`` whole rounds, on a clock that time_runs reads: a fake one, advanced
+    # by each call (run 0 takes 5 s then 3 s, run 1 takes 1 s then 2 s).
+    now = [0.0]
+    durations = iter([5.0, 1.0, 3.0, 2.0])      # round 1: run 0, run 1; round 2: run 0, run 1
 
-
-def test_decode_grouping_matches_the_engine_runner():
-    torch = pytest.importorskip("torch")
-    from kvserve.engine.model_runner import ModelRunner
-    from kvserve.planner.simulate import decode_groups
-
-    if not hasattr(ModelRunner, "_decode_groups"):
-        pytest.skip("ModelRunner no longer groups decodes this way: re-check simulate.decode_groups")
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device = 16, torch.device("cpu")
-    rng = random.Random(5)
-    for _ in range(20):
-        contexts = [rng.choice([rng.randint(1, 64), rng.randint(100, 1300)]) for _ in range(rng.randint(1, 64))]
-        tables = [list(range(-(-c // 16))) for c in contexts]
-        real = sorted((len(g.token_index), g.max_blocks)
-                      for g in runner._decode_groups(list(range(len(contexts))), tables, contexts))
-        ours = sorted((len(g), -(-max(g) // 16)) for g in decode_groups(contexts, 16))
-        assert ours == real
+    def fake_generate(prompts, n):
+        now[0] += next(durations)
+    monkeypatch.setitem(profile.CLOCKS, "wall", lambda: now[0])
+    best = time_runs(fake_generate, [((4, 4), 2), ((3,), 1)], vocab_size=1000, repeats=2)
+    assert [s.seconds for s in best] == [3.0, 1.0]
