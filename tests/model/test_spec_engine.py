@@ -32,6 +32,7 @@ pytestmark = pytest.mark.model
 MAX_TOKENS = 24
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, logprobs=2)
 POOL_BLOCKS = 40                  # target KV blocks: ~640 tokens for ~2,300 tokens of demand
+NGRAM_REPETITIVE_ACCEPTANCE = 0.5  # n-gram drafts accepted on prompts that copy earlier text (greedy)
 
 # Prompts whose continuations copy earlier text, so that n-gram lookup proposes.
 REPETITIVE_TEXTS = [
@@ -151,15 +152,27 @@ def draft_counts(outputs, mask):
     return proposed, accepted
 
 
+def check_counters(llm: LLM, before: dict, outputs) -> None:
+    """Per-request draft counters are sane and add up to what ``llm.spec_stats()`` gained
+    over the same requests (``before``: the stats taken just before them)."""
+    after = llm.spec_stats()
+    assert all(0 <= o.num_accepted_draft_tokens <= o.num_draft_tokens for o in outputs)
+    assert after["num_proposed"] - before["num_proposed"] == sum(o.num_draft_tokens for o in outputs)
+    assert after["num_accepted"] - before["num_accepted"] == sum(o.num_accepted_draft_tokens for o in outputs)
+
+
 def test_greedy_identical_with_speculation_mixed_batch_under_preemption(spec_llm, spec_prompts, reference):
     speculate = [i % 2 == 0 for i in range(len(spec_prompts))]
     preemptions = spec_llm.engine.scheduler.num_preemptions
+    before = spec_llm.spec_stats()
     outputs = generate_mixed(spec_llm, spec_prompts, [GREEDY] * len(spec_prompts), speculate)
     preemptions = spec_llm.engine.scheduler.num_preemptions - preemptions
     stats = spec_llm.spec_stats()
     proposed, accepted = draft_counts(outputs, speculate)
+    repetitive = [on and i >= len(spec_prompts) + CAT for i, on in enumerate(speculate)]
+    rep_proposed, rep_accepted = draft_counts(outputs, repetitive)
     print(f"{spec_llm.proposer_name}: {preemptions} preemptions, {proposed} drafts verified, {accepted} accepted, "
-          f"engine stats {stats}")
+          f"on the repetitive prompts {rep_accepted} of {rep_proposed}; engine stats {stats}")
     assert preemptions > 0, "the pool was meant to force preemption"
     greedy_compare(reference, outputs, spec_llm.proposer_name)
     # the counters: speculating requests verified drafts, the others none at all
@@ -170,11 +183,19 @@ def test_greedy_identical_with_speculation_mixed_batch_under_preemption(spec_llm
     assert all(len(o.outputs[0].token_ids) == MAX_TOKENS for o in outputs)
     assert all(len(o.outputs[0].logprobs) == MAX_TOKENS for o in outputs)
     assert stats["num_proposed"] >= proposed and stats["num_steps_on"] > 0
+    check_counters(spec_llm, before, outputs)
     spec_llm.engine.check_integrity()
     assert spec_llm.engine.block_pool.num_used_blocks == 0
+    assert rep_proposed > 0                     # every proposer drafts on the prompts that copy earlier text
     if spec_llm.proposer_name == "draft":
         # the target is its own draft: only near-ties can tell them apart
         assert accepted / proposed >= 0.98, f"acceptance {accepted / proposed:.3f} with the target as its draft"
+    elif spec_llm.proposer_name == "ngram":
+        # copying text: the continuation is mostly the n-gram's lookup (measured: 59 of 74)
+        assert rep_accepted / rep_proposed >= NGRAM_REPETITIVE_ACCEPTANCE, \
+            f"n-gram acceptance {rep_accepted / rep_proposed:.3f} on the repetitive prompts"
+    # self:8 (8 of 30 layers) accepts few (measured: 9 of 1,137, 1 of 314 on the repetitive
+    # prompts): the 0 < accepted above is all that is safe to ask of it.
 
 
 def test_seeded_sampling_identical_with_speculation_on_and_off(spec_llm, spec_prompts):
@@ -184,14 +205,16 @@ def test_seeded_sampling_identical_with_speculation_on_and_off(spec_llm, spec_pr
     params = [SamplingParams(temperature=0.8, max_tokens=16, seed=100 + i, ignore_eos=True)
               for i in range(len(chosen))]
     prompts = chosen + chosen
+    before = spec_llm.spec_stats()
     outputs = generate_mixed(spec_llm, prompts, params + params, [True] * len(chosen) + [False] * len(chosen))
     on, off = outputs[:len(chosen)], outputs[len(chosen):]
     for i, (a, b) in enumerate(zip(on, off)):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids, f"prompt {i}: seeded output changed"
     proposed, accepted = draft_counts(on, [True] * len(on))
     print(f"{spec_llm.proposer_name}: seeded sampling: {proposed} drafts, {accepted} accepted")
-    assert proposed > 0
+    assert proposed > 0 and accepted > 0        # seeded, so fixed (measured: ngram 23 of 101, self:8 7 of 323)
     assert all(o.num_draft_tokens == 0 for o in off)
+    check_counters(spec_llm, before, outputs)
     if spec_llm.proposer_name == "draft":
         # seeded drafts race the target's own noise: the target as its draft agrees nearly always
         assert accepted / proposed >= 0.95
@@ -204,6 +227,7 @@ def test_unseeded_sampling_completes_with_integrity(spec_llm, spec_prompts):
     chosen = spec_prompts[::6]
     params = [SamplingParams(temperature=0.8, top_p=0.95, max_tokens=16, ignore_eos=True, logprobs=1)
               for _ in chosen]
+    before = spec_llm.spec_stats()
     outputs = generate_mixed(spec_llm, chosen, params, [True] * len(chosen))
     for o in outputs:
         completion = o.outputs[0]
@@ -212,8 +236,13 @@ def test_unseeded_sampling_completes_with_integrity(spec_llm, spec_prompts):
         assert all(t in entry for t, entry in zip(completion.token_ids, completion.logprobs))
     proposed, accepted = draft_counts(outputs, [True] * len(outputs))
     print(f"{spec_llm.proposer_name}: unseeded sampling: {proposed} drafts, {accepted} accepted")
+    assert proposed > 0
+    check_counters(spec_llm, before, outputs)
     if spec_llm.proposer_name == "draft":
         assert proposed > 0 and accepted / proposed >= 0.9      # q == p up to numerics: accepted
+    elif spec_llm.proposer_name == "ngram":
+        # measured 25 of 79; self:8 accepts too rarely here (1 of 296) to ask for any
+        assert accepted > 0
     spec_llm.engine.check_integrity()
     assert spec_llm.engine.block_pool.num_used_blocks == 0
 
