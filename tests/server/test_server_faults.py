@@ -96,7 +96,7 @@ def test_disconnect_frees_blocks_within_an_engine_step(server):
             next(lines)
         before = _metrics(server)                  # still streaming: the request holds blocks
         assert before["kvserve_kv_blocks_used"] > 0 and before["kvserve_num_requests_in_flight"] == 1
-    after = _wait_idle(server, timeout_s=5)        # leaving the block closes the connection
+    after = _wait_idle(server, timeout_s=60)       # leaving the block closes the connection
     # The abort lands before the engine's next step; the slack covers the metrics' lag and the
     # time this process takes to close the connection on a busy machine.
     assert after["kvserve_engine_steps_total"] - before["kvserve_engine_steps_total"] <= 5
@@ -136,13 +136,22 @@ def test_overload_burst_gets_completions_and_503s_only(server):
 
 
 def test_deadline_ends_request_and_frees_blocks(server):
-    _wait_idle(server)
-    started = time.monotonic()
-    r = httpx.post(server.url + "/v1/completions", timeout=60,
-                   json={"prompt": "Once upon a time", "max_tokens": 2000, "ignore_eos": True, "deadline_s": 0.5})
+    """The 504 comes while the request is far from done (no wall-clock bound: the tokens it
+    got and its finish reason show it), and the engine then drops it and frees its blocks."""
+    before = _wait_idle(server)
+    max_tokens = 2000
+    r = httpx.post(server.url + "/v1/completions", timeout=120,
+                   json={"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True,
+                         "deadline_s": 0.5})
     assert r.status_code == 504 and r.json()["error"]["code"] == "deadline_exceeded"
-    assert time.monotonic() - started < 5
-    _wait_idle(server, timeout_s=5)
+    after = _wait_idle(server, timeout_s=60)          # nothing in flight, every block free
+    generated = after["kvserve_generation_tokens_total"] - before["kvserve_generation_tokens_total"]
+    assert generated < max_tokens // 2, f"{generated} of {max_tokens} tokens: the deadline did not cut it short"
+
+    def finished(m, reason):
+        return m.get(f'kvserve_requests_finished_total{{finish_reason="{reason}"}}', 0)
+    assert finished(after, "abort") == finished(before, "abort") + 1       # ended by the deadline's abort
+    assert finished(after, "length") == finished(before, "length")         # not by reaching max_tokens
 
 
 def test_ready_turns_503_when_running_requests_stall(server):
@@ -160,7 +169,7 @@ def test_ready_turns_503_when_running_requests_stall(server):
     time.sleep(0.5)
     os.kill(engine_pid, signal.SIGSTOP)
     try:
-        deadline = time.monotonic() + 15
+        deadline = time.monotonic() + 60                  # generous: --stall-timeout is 3 s
         while httpx.get(server.url + "/ready", timeout=10).status_code == 200:
             assert time.monotonic() < deadline
             time.sleep(0.2)

@@ -105,15 +105,15 @@ def test_engine_death_fails_requests_and_exits_nonzero():
         blocking = threading.Thread(target=whole, daemon=True)
         blocking.start()
         time.sleep(0.5)
-        killed_at = time.monotonic()
         os.kill(engine_pid, signal.SIGKILL)
         for s in streams:
-            s.join(10)
-            assert not s.is_alive()
-            last_time, last = s.events[-1]
-            assert last == "[DONE]" and last_time - killed_at < 5
+            s.join(60)                                    # generous: no wall-clock bound on the end
+            assert not s.is_alive(), "a stream did not end after the engine died"
+            assert s.error is None and s.status == 200
+            assert s.events[-1][1] == "[DONE]"
             assert json.loads(s.events[-2][1])["error"]["code"] == "engine_unavailable"
-        blocking.join(10)
+            assert "length" not in s.finish_reasons()     # ended by the engine's death, not by max_tokens
+        blocking.join(60)
         assert result["status"] == 503 and result["body"]["error"]["code"] == "engine_unavailable"
         try:
             assert httpx.get(server.url + "/ready", timeout=5).status_code == 503
