@@ -22,7 +22,7 @@ from typing import AsyncIterator
 from kvserve.engine import admission
 from kvserve.engine.admission import EngineLimits
 from kvserve.engine.request import EngineRequest
-from kvserve.errors import InvalidRequestError, KVServeError
+from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
 from kvserve.server.auth import cache_salt

@@ -219,3 +219,7 @@ class SpecController:
     def forget(self, seq_id: int) -> None:
         """Drop a finished sequence's acceptance history."""
         self._seqs.pop(seq_id, None)
+
+    def tracked_seq_ids(self) -> set[int]:
+        """Sequences with an acceptance history (each is forgotten when it ends)."""
+        return set(self._seqs)

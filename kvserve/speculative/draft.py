@@ -115,6 +115,10 @@ class DraftModelProposer:
         for seq_id in seq_ids:
             self._computed.pop(seq_id, None)
 
+    def tracked_seq_ids(self) -> set[int]:
+        """Sequences with a draft-KV record (own KV only)."""
+        return set(self._computed)
+
     # ---------------------------------------------------------------- internals
     def _catch_up(self, s: ScheduledSeq) -> ScheduledSeq:
         """Pass-1 work for ``s``: every token the draft has not computed up to the end

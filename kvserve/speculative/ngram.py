@@ -59,6 +59,9 @@ class NgramProposer:
     def forget(self, seq_ids) -> None:
         """No per-sequence state to drop."""
 
+    def tracked_seq_ids(self) -> set[int]:
+        return set()
+
 
 def build_ngram(ctx: ProposerContext) -> NgramProposer:
     """The registry's builder for ``ngram``."""

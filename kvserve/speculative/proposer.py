@@ -35,6 +35,9 @@ class Proposer(Protocol):
     def forget(self, seq_ids) -> None:
         """Drop state of sequences that ended or restart from scratch."""
 
+    def tracked_seq_ids(self) -> set[int]:
+        """Sequences the proposer keeps state for."""
+
 
 @dataclass(frozen=True)
 class ProposerContext:

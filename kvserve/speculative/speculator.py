@@ -11,11 +11,15 @@ It plugs into the engine's step through ``kvserve.engine.lookahead``'s interface
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from kvserve.engine.stats import SpeculationCounters
 from kvserve.engine.step import SeqUpdate, StepPlan, StepResult
 from kvserve.speculative.controller import SpecController
 from kvserve.speculative.proposer import Proposer
-from kvserve.speculative.verify import Verifier
+
+if TYPE_CHECKING:                    # the verifier is torch; this module stays importable without it
+    from kvserve.speculative.verify import Verifier
 
 
 class Speculator:
