@@ -65,9 +65,11 @@ def run_kvserve(llm, requests):
 
 def run_bs1(llm, prompt, num_tokens: int = 128):
     """Decode tokens/s of one request: time after its first token, divided by the rest."""
+    from kvserve.engine.request import EngineRequest
     from kvserve.sampling.params import SamplingParams
     engine = llm.engine
-    engine.add_request("bs1", prompt, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True))
+    engine.add_request(EngineRequest("bs1", prompt, SamplingParams(temperature=0, max_tokens=num_tokens,
+                                                                   ignore_eos=True)))
     engine.step()                                           # prefill + first token
     t = time.perf_counter()
     steps = 0

@@ -31,8 +31,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 
-from kvserve.engine.engine_core import EngineConfig, EngineCore  # noqa: E402
-from kvserve.sampling.params import SamplingParams  # noqa: E402
+from kvserve.builder import build_engine
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.request import EngineRequest
+from kvserve.sampling.params import SamplingParams
 
 QUESTIONS = [
     "What does this function return when the input is empty?", "Can you make it faster?",
@@ -75,8 +78,8 @@ def drive(engine: EngineCore, requests: list[Request], params: SamplingParams | 
             counter += 1
             added += 1
             request.submitted_s = time.perf_counter()
-            engine.add_request(request.request_id, request.prompt_token_ids, request_params,
-                               use_prefix_cache=request.use_prefix_cache)
+            engine.add_request(EngineRequest(request.request_id, request.prompt_token_ids, request_params,
+                                             use_prefix_cache=request.use_prefix_cache))
             live[request.request_id] = request
         updates = engine.step()
         now = time.perf_counter()
@@ -214,7 +217,7 @@ def main(argv=None) -> int:
     path = resolve_model_path(args.model)
     config = EngineConfig(model=path, kv_cache_bytes=int(args.kv_cache_gib * 2**30), block_size=args.block_size,
                           num_threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens)
-    engine = EngineCore(config, load_checkpoint(path))
+    engine = build_engine(config, load_checkpoint(path))
     tokenizer = Tokenizer.load(path)
     warm = [Request(list(range(100, 164)), use_prefix_cache=False) for _ in range(4)]
     drive(engine, warm, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), concurrency=4)
@@ -225,7 +228,7 @@ def main(argv=None) -> int:
     if "shared-prefix" not in args.skip:
         report["shared_prefix"] = bench_shared_prefix(engine, tokenizer, args)
     engine.check_integrity()
-    report["engine_stats"] = engine.stats()
+    report["engine_stats"] = engine.stats().to_dict()
     print(json.dumps(report, indent=2))
     return 0
 

@@ -33,13 +33,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 
+from serving_common import ROOT, KVServe, bench, emit_report, pin_self
 
-from serving_common import ROOT, KVServe, bench, emit_report, pin_self  # noqa: E402
-
-from kvserve.loadgen.cli import export_dataset  # noqa: E402
-from kvserve.loadgen.workloads import build_workload  # noqa: E402
-from kvserve.loader import default_model_path  # noqa: E402
-from kvserve.tokenizer import Tokenizer  # noqa: E402
+from kvserve.loadgen.cli import export_dataset
+from kvserve.loadgen.workloads import build_workload
+from kvserve.loader import default_model_path
+from kvserve.tokenizer import Tokenizer
 
 TOLERANCE = 0.10
 

@@ -18,9 +18,9 @@ import httpx
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from kvserve.loadgen.report import summarize  # noqa: E402
-from kvserve.loadgen.runner import ClientConfig, Runner  # noqa: E402
-from server_process import ServerProcess, free_port  # noqa: E402
+from kvserve.loadgen.report import summarize
+from kvserve.loadgen.runner import ClientConfig, Runner
+from server_process import ServerProcess, free_port
 
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 

@@ -11,16 +11,14 @@ process + engine process; offline: the process), which other load does not move.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 
+from serving_common import KVServe, bench, emit_report, offline, pin_self, ratio
 
-from serving_common import KVServe, bench, emit_report, offline, pin_self, ratio  # noqa: E402
-
-from kvserve.loadgen.workloads import build_workload  # noqa: E402
-from kvserve.loader import default_model_path  # noqa: E402
-from kvserve.tokenizer import Tokenizer  # noqa: E402
+from kvserve.loadgen.workloads import build_workload
+from kvserve.loader import default_model_path
+from kvserve.tokenizer import Tokenizer
 
 
 def main(argv=None) -> int:

@@ -20,13 +20,12 @@ import argparse
 import os
 import sys
 
-
-from serving_common import (KVServe, LlamaServer, bench, default_llama_server, emit_report, offline, pin_self,  # noqa: E402
+from serving_common import (KVServe, LlamaServer, bench, default_llama_server, emit_report, offline, pin_self,
                             ratio)
 
-from kvserve.loadgen.workloads import build_workload  # noqa: E402
-from kvserve.loader import default_model_path  # noqa: E402
-from kvserve.tokenizer import Tokenizer  # noqa: E402
+from kvserve.loadgen.workloads import build_workload
+from kvserve.loader import default_model_path
+from kvserve.tokenizer import Tokenizer
 
 FIGURES = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("tpot_ms", "p50"), ("tpot_ms", "p99"))
 

@@ -24,17 +24,16 @@ import argparse
 import glob
 import json
 import os
-import sys
 import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-import torch  # noqa: E402
+import torch
 
-from kvserve import LLM  # noqa: E402
-from kvserve.sampling.params import SamplingParams  # noqa: E402
-from kvserve.speculative.controller import expected_tokens  # noqa: E402
+from kvserve import LLM
+from kvserve.sampling.params import SamplingParams
+from kvserve.speculative.controller import expected_tokens
 
 CHAT_QUESTIONS = [
     "What is the capital of France, and what is it famous for?",

@@ -11,31 +11,28 @@ import torch
 
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.decode_groups import decode_groups
+from kvserve.engine.lookahead import LookaheadGroup, Verifier
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
-from kvserve.speculative.verify import DraftGroup, verify
 
 
 class ModelRunner:
     """Executes step plans on one device."""
 
     def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
-                 device: torch.device, sampler: Sampler | None = None, seed: int = 0):
+                 device: torch.device, sampler: Sampler | None = None, verifier: Verifier | None = None):
         self.model = model
         self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
         self.backend = backend
         self.block_size = block_size
         self.device = device
         self.sampler = sampler or Sampler()
-        # draws of speculative rejection sampling (unseeded rows with a draft distribution)
-        self.spec_generator = torch.Generator(device=device)
-        self.spec_generator.manual_seed(seed)
+        self.verifier = verifier           # settles lookahead tokens (None: plans never carry any)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan, draft_probs=None) -> StepResult:
-        """Run one step: KV block copies, one forward over all scheduled tokens (drafts
-        included), sampling, and verification of drafts (``kvserve.speculative.verify``).
-        ``draft_probs(seq_id)`` gives a sequence's draft distributions, if it has any."""
+    def execute(self, plan: StepPlan) -> StepResult:
+        """Run one step: KV block copies, one forward over all scheduled tokens (lookahead
+        tokens included), sampling, and verification of lookahead tokens by the verifier."""
         started = time.perf_counter()
         self.copy_blocks(plan.block_copies)
         if plan.is_empty:
@@ -46,26 +43,37 @@ class ModelRunner:
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
         logits = self.model.compute_logits(hidden[sample_rows])                   # [rows, vocab]
+        rows, groups = self._sampling_rows(to_sample)
+        if groups:
+            samples, accepted, final = self.verifier(logits, rows, groups)
+        else:
+            out = self.sampler(logits, rows)
+            samples = [SampledToken(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)]
+            accepted, final = {}, {}
+        sampled, row = {}, 0
+        for s in to_sample:
+            sampled[s.seq_id] = final[s.seq_id] if s.lookahead_token_ids else samples[row]
+            row += len(s.lookahead_token_ids) + 1
+        return StepResult(sampled=sampled, accepted_lookahead=accepted, prompt_logprobs=prompt_lps,
+                          forward_time_s=time.perf_counter() - started)
+
+    @staticmethod
+    def _sampling_rows(to_sample) -> tuple[list[SamplingRow], list[LookaheadGroup]]:
+        """One row per sampled position: the token after the last real one, then the token
+        after each lookahead token (penalties see the earlier lookahead tokens as output)."""
         rows, groups = [], []
         for s in to_sample:
-            if s.draft_token_ids:
-                groups.append(DraftGroup(s.seq_id, len(rows), list(s.draft_token_ids),
-                                         draft_probs(s.seq_id) if draft_probs else None))
-            for j in range(len(s.draft_token_ids) + 1):
-                output = s.output_token_ids if j == 0 else list(s.output_token_ids) + s.draft_token_ids[:j]
+            if s.lookahead_token_ids:
+                groups.append(LookaheadGroup(s.seq_id, len(rows), list(s.lookahead_token_ids)))
+            for j in range(len(s.lookahead_token_ids) + 1):
+                output = s.output_token_ids if j == 0 else list(s.output_token_ids) + s.lookahead_token_ids[:j]
                 rows.append(SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
                                         output_token_ids=output, eos_token_ids=s.eos_token_ids,
                                         seed_offset=s.sibling_index))
-        samples, accepted, final = verify(self.sampler, logits, rows, groups, self.spec_generator)
-        sampled, row = {}, 0
-        for s in to_sample:
-            sampled[s.seq_id] = final[s.seq_id] if s.draft_token_ids else samples[row]
-            row += len(s.draft_token_ids) + 1
-        return StepResult(sampled=sampled, accepted_drafts=accepted, prompt_logprobs=prompt_lps,
-                          forward_time_s=time.perf_counter() - started)
+        return rows, groups
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor | None:
-        """One forward over the plan's tokens (drafts included); fp32 logits of the
+        """One forward over the plan's tokens (lookahead included); fp32 logits of the
         sampled rows, ``[rows, vocab]`` in plan order (None if nothing samples)."""
         hidden, sample_rows = self._forward(plan)
         if sample_rows.numel() == 0:
@@ -84,7 +92,7 @@ class ModelRunner:
         result: dict[int, list[SampledToken]] = {}
         row = 0
         for s in plan.scheduled:
-            n = s.num_tokens + len(s.draft_token_ids)
+            n = s.num_tokens + len(s.lookahead_token_ids)
             if s.want_prompt_logprobs:
                 last = min(s.start_position + s.num_tokens, len(s.prompt_token_ids) - 1)
                 count = last - s.start_position
@@ -118,7 +126,7 @@ class ModelRunner:
         sample_rows: list[int] = []
         for s in plan.scheduled:
             row = len(input_ids)
-            tokens = s.token_ids + s.draft_token_ids if s.draft_token_ids else s.token_ids
+            tokens = s.token_ids + s.lookahead_token_ids if s.lookahead_token_ids else s.token_ids
             start, n = s.start_position, len(tokens)
             input_ids.extend(tokens)
             positions.extend(range(start, start + n))
@@ -136,8 +144,8 @@ class ModelRunner:
                     mask = (torch.arange(start + n)[None, :] <= query_pos[:, None]).to(self.device)
                 prefills.append(PrefillChunk(row, n, start, torch.tensor(table[:num_blocks], device=self.device),
                                              mask))
-            if s.sample:     # the last real token, then each draft: verification rows
-                sample_rows.extend(range(row + n - 1 - len(s.draft_token_ids), row + n))
+            if s.sample:     # the last real token, then each lookahead token: verification rows
+                sample_rows.extend(range(row + n - 1 - len(s.lookahead_token_ids), row + n))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, device=self.device), prefills=prefills,
                                  decode_groups=self._decode_groups(decode_rows, decode_tables, decode_lens))
         return (torch.tensor(input_ids, device=self.device), torch.tensor(positions, device=self.device),

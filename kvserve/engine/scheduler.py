@@ -3,30 +3,29 @@
 There are no prefill and decode phases. Every sequence has ``num_computed_tokens``
 and a number of tokens to compute; each step hands out ``max_num_batched_tokens``
 across sequences, running ones first (oldest, highest priority first), then
-waiting ones in (priority, arrival) order. When blocks run out, the prefix cache
-gives back unlocked blocks first (LRU); only if that cannot cover the need is the
-newest lowest-priority running sequence preempted by recompute: its blocks are
-freed (the full ones stay cached) and it returns to the waiting queue at its
+waiting ones in (priority, arrival) order. The scheduler decides who runs and how
+many tokens; the ``KVCacheManager`` decides which blocks: when it cannot find
+enough (after evicting unlocked cached blocks), the newest lowest-priority running
+sequence is preempted by recompute and returns to the waiting queue at its
 original place.
 
-With a prefix cache, a sequence is matched against the cache when it is admitted
-(its computed count starts at the hit, in whole blocks, never covering its last
-token), and its newly full blocks are inserted as they are computed, so concurrent
-requests with the same prefix, later turns and recomputes after preemption reuse
-them. A running sequence keeps its cache handle locked; a finished one unlocks it
-with ``prefix_cache_grace_s`` of protection (a live turn awaiting its next message).
+Lookahead tokens (speculative decoding) are a generic extra: each decoding item
+carries ``lookahead_limit``; a speculator asks ``reserve_lookahead`` for slots
+after ``schedule`` and ``update`` accepts what the runner verified.
 
 Never imports torch: it sees ints and lists only.
 """
 from __future__ import annotations
 
 import heapq
+import itertools
 from dataclasses import dataclass
 
-from kvserve.engine.kv.block_pool import BlockPool
-from kvserve.engine.kv.prefix_cache import PrefixCache
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.prompt_logprobs import new_prompt_logprobs, wants_prompt_logprobs
+from kvserve.engine.request import EngineRequest, RequestStatus
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
-from kvserve.engine.step import ScheduledSeq, SeqUpdate, StepPlan, StepResult
+from kvserve.engine.step import SampledToken, ScheduledSeq, SeqUpdate, StepPlan, StepResult
 
 
 @dataclass(frozen=True)
@@ -39,19 +38,20 @@ class SchedulerConfig:
 
 
 class Scheduler:
-    """Owns sequences and their block tables; produces StepPlans, consumes StepResults."""
+    """Owns sequences; produces StepPlans, consumes StepResults; asks ``kv`` for blocks."""
 
-    def __init__(self, config: SchedulerConfig, block_pool: BlockPool, prefix_cache: PrefixCache | None = None,
-                 spec_controller=None, max_model_len: int | None = None):
+    def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int | None = None,
+                 eos_token_ids: frozenset[int] = frozenset()):
         self.config = config
-        self.block_pool = block_pool
-        self.prefix_cache = prefix_cache       # None: no caching at all
-        self.spec = spec_controller            # kvserve.speculative.controller.SpecController, or None
-        self.max_model_len = max_model_len     # drafts never run past it
+        self.kv = kv
+        self.max_model_len = max_model_len     # lookahead never runs past it; default max_tokens
+        self.eos_token_ids = eos_token_ids     # for requests that name none
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
         self._running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
         self._by_request: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
         self.num_preemptions = 0
 
     # ----------------------------------------------------------------- queries
@@ -66,30 +66,47 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._running or self._waiting)
 
-    def live_block_tables(self) -> list[list[int]]:
-        """Block tables of every sequence holding blocks (for integrity checks)."""
-        return [seq.block_table for seq in self._running]
+    def request_status(self, request_id: str) -> RequestStatus | None:
+        """WAITING while no sequence of the request has computed anything, RUNNING after;
+        None once every sequence ended (or for an unknown id)."""
+        seqs = self._by_request.get(request_id)
+        if not seqs:
+            return None
+        if all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in seqs):
+            return RequestStatus.WAITING
+        return RequestStatus.RUNNING
 
     def check_integrity(self) -> None:
-        """Assert free + cached-only + in use == total, every reference accounted for
-        (sequences' block tables plus the cache's one), the cache tree sound and its
-        locks held exactly by the running sequences' handles."""
-        self.block_pool.check_integrity(self.live_block_tables())
-        if self.prefix_cache is not None:
-            self.prefix_cache.check_integrity(s.cache_handle for s in self._running if s.cache_handle)
-        for _key, seq in self._waiting:
-            if seq.block_table or seq.cache_handle is not None:
-                raise AssertionError(f"waiting sequence {seq.seq_id} holds blocks or a cache lock")
+        """Blocks and cache locks are held exactly by the running sequences."""
+        self.kv.check_integrity(self._running, [seq for _key, seq in self._waiting])
 
-    # ------------------------------------------------------------- admission
-    def add_sequence(self, seq: Sequence) -> None:
-        """Queue a new sequence (its siblings, if any, travel in ``seq.pending_fork``)."""
-        seq.status = SeqStatus.WAITING
-        self._seqs[seq.seq_id] = seq
-        self._by_request.setdefault(seq.request_id, []).append(seq)
-        for child in seq.pending_fork:
-            self._by_request[seq.request_id].append(child)
-        heapq.heappush(self._waiting, (seq.sort_key, seq))
+    # ---------------------------------------------------------------- requests
+    def add_request(self, request: EngineRequest) -> Sequence:
+        """Queue a request as one leader sequence; its ``n - 1`` siblings travel in
+        ``pending_fork`` until the leader's prompt is computed. Returns the leader."""
+        prompt, params = list(request.prompt_token_ids), request.params
+        if params.max_tokens is None and self.max_model_len is None:
+            raise ValueError("max_tokens is needed when the scheduler has no max_model_len")
+        max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
+        eos = frozenset(request.eos_token_ids) if request.eos_token_ids is not None else self.eos_token_ids
+        # prompt logprobs need every prompt position computed: no cache reads
+        namespace = self.kv.namespace_for(request.adapter_id, request.cache_salt,
+                                          request.use_prefix_cache and params.prompt_logprobs is None)
+        arrival = next(self._arrivals)
+
+        def make(sibling: int) -> Sequence:
+            return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, sibling_index=sibling,
+                            prompt_token_ids=prompt, params=params, max_tokens=max_tokens, eos_token_ids=eos,
+                            priority=request.priority, arrival_index=arrival, cache_namespace=namespace,
+                            cache_grace_s=request.prefix_cache_grace_s,
+                            max_lookahead_tokens=request.num_speculative_tokens)
+
+        leader = make(0)
+        leader.pending_fork = [make(i) for i in range(1, params.n)]
+        self._seqs[leader.seq_id] = leader
+        self._by_request.setdefault(request.request_id, []).extend([leader, *leader.pending_fork])
+        heapq.heappush(self._waiting, (leader.sort_key, leader))
+        return leader
 
     def abort_request(self, request_id: str) -> list[SeqUpdate]:
         """End every sequence of ``request_id`` now, freeing all their blocks."""
@@ -100,11 +117,23 @@ class Scheduler:
                 self._finish(seq, FinishReason.ABORT)
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index, [], [],
                                      FinishReason.ABORT.value, seq.num_cached_tokens))
-        self._waiting = [(k, s) for k, s in self._waiting if not s.is_finished]
-        heapq.heapify(self._waiting)
+        self._drop_finished_waiting()
         return updates
 
-    # -------------------------------------------------------------- schedule
+    def finish_sequence(self, seq_id: int, reason: FinishReason) -> None:
+        """End one sequence (e.g. a stop string matched in the front end); frees its blocks."""
+        seq = self._seqs.get(seq_id)
+        if seq is not None and not seq.is_finished:
+            waiting = seq.status is SeqStatus.WAITING
+            self._finish(seq, reason)
+            if waiting:
+                self._drop_finished_waiting()
+
+    def _drop_finished_waiting(self) -> None:
+        self._waiting = [(k, s) for k, s in self._waiting if not s.is_finished]
+        heapq.heapify(self._waiting)
+
+    # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
         """Choose this step's work within the token budget and the free blocks."""
         plan = StepPlan()
@@ -122,78 +151,27 @@ class Scheduler:
             if num_new == 0:
                 index += 1
                 continue
-            if not self._reserve_blocks(seq, num_new, plan, scheduled_ids):
+            if not self._make_room(seq, self.kv.blocks_needed(seq, num_new), plan, scheduled_ids):
                 break             # seq itself was preempted: nothing newer can run
+            self.kv.allocate(seq, num_new)
             plan.scheduled.append(self._scheduled(seq, num_new))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
             index += 1
         if not plan.preempted_seq_ids:
             budget = self._admit_waiting(plan, budget)
-        if self.spec is not None:
-            self._add_draft_slots(plan, budget)
+        plan.token_budget_left = budget
         return plan
 
-    def _add_draft_slots(self, plan: StepPlan, budget: int) -> None:
-        """Speculative decoding: give decoding sequences room for draft tokens, as many
-        as the controller picks within the leftover budget, the sequence's own limits
-        (max_tokens, context) and the blocks free without preempting anyone."""
-        candidates, items = [], {}
-        for item in plan.scheduled:
-            seq = self._seqs.get(item.seq_id)
-            if seq is None or not item.sample or item.num_tokens != 1 or seq.num_speculative_tokens == 0:
-                continue
-            limit = seq.max_tokens - len(seq.output_token_ids) - 1        # the verified step emits limit + 1
-            if self.max_model_len is not None:
-                limit = min(limit, self.max_model_len - seq.num_tokens - 1)
-            if seq.num_speculative_tokens is not None:
-                limit = min(limit, seq.num_speculative_tokens)
-            if limit > 0:
-                candidates.append((seq.seq_id, limit))
-                items[seq.seq_id] = (item, seq)
-        if not candidates:
-            return
-        for seq_id, k in self.spec.plan(candidates, plan.num_tokens).items():
-            item, seq = items[seq_id]
-            k = min(k, budget)
-            pool = self.block_pool
-            needed = pool.blocks_for_tokens(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
-            if needed > 0 and not self._evict_for(needed):
-                # drafts never preempt anyone: use what is free
-                k = (len(seq.block_table) + pool.num_free_blocks) * pool.block_size - seq.num_computed_tokens - 1
-                k = min(k, budget)
-                needed = pool.blocks_for_tokens(seq.num_computed_tokens + 1 + k) - len(seq.block_table)
-            if k <= 0:
-                continue
-            if needed > 0:
-                seq.block_table.extend(self.block_pool.allocate(needed))
-                item.block_table = list(seq.block_table)
-            item.num_draft_slots = k
-            budget -= k
-
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        pool = self.block_pool
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0][1]
-            handle = self._match_prefix(seq)            # locked, or None
-            hit_blocks = list(handle.block_ids) if handle is not None else []
-            seq.num_computed_tokens = len(hit_blocks) * pool.block_size
-            num_new = min(seq.num_tokens_to_compute, budget)
-            needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(hit_blocks)
+            hit = self.kv.match(seq)
+            num_new = min(seq.num_tokens_to_compute_after(hit.num_tokens), budget)
             # Nothing running: grace-protected blocks would never free themselves in time.
-            if not self._evict_for(needed, include_protected=not self._running):
-                seq.num_computed_tokens = 0
-                if handle is not None:
-                    self.prefix_cache.unlock(handle)
+            if not self.kv.admit(seq, hit, num_new, include_protected=not self._running):
                 break             # FCFS: nobody overtakes the head of the queue
             heapq.heappop(self._waiting)
-            pool.share(hit_blocks)
-            seq.block_table = hit_blocks + (pool.allocate(needed) or [])
-            seq.cache_handle = handle
-            if handle is not None:
-                self.prefix_cache.record_query(seq.num_tokens, seq.num_computed_tokens)
-                if seq.num_preemptions == 0:
-                    seq.num_cached_tokens = seq.num_computed_tokens
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
             if num_new > 0:
@@ -201,43 +179,10 @@ class Scheduler:
                 budget -= num_new
         return budget
 
-    def _match_prefix(self, seq: Sequence):
-        """The locked cache handle of ``seq``'s longest cached prefix (never its last
-        token), or None when ``seq`` does not use the cache."""
-        if self.prefix_cache is None or seq.cache_namespace is None:
-            return None
-        tokens = seq.token_slice(0, seq.num_tokens)
-        handle = self.prefix_cache.match(seq.cache_namespace, tokens, max_tokens=seq.num_tokens - 1)
-        self.prefix_cache.lock(handle)
-        return handle
-
-    def _evict_for(self, num_blocks: int, include_protected: bool = False) -> bool:
-        """Make ``num_blocks`` blocks free, evicting unlocked cached blocks if needed
-        (those within their grace time only if ``include_protected``). False if even
-        that cannot (the caller preempts or waits)."""
-        pool = self.block_pool
-        while num_blocks > pool.num_free_blocks and self.prefix_cache is not None:
-            if not self.prefix_cache.evict(num_blocks - pool.num_free_blocks, include_protected):
-                break
-        return num_blocks <= pool.num_free_blocks
-
-    def _reserve_blocks(self, seq: Sequence, num_new: int, plan: StepPlan,
-                        scheduled_ids: set[int]) -> bool:
-        """Grow ``seq``'s block table for ``num_new`` tokens, evicting cached blocks,
-        then preempting newer sequences, while blocks are short. False if ``seq`` had
-        to preempt itself."""
-        pool = self.block_pool
-        needed = pool.blocks_for_tokens(seq.num_computed_tokens + num_new) - len(seq.block_table)
-        if not self._make_room(needed, seq, plan, scheduled_ids):
-            return False
-        if needed > 0:
-            seq.block_table.extend(pool.allocate(needed))
-        return True
-
-    def _make_room(self, num_blocks: int, seq: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
+    def _make_room(self, seq: Sequence, num_blocks: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Free ``num_blocks`` blocks for ``seq``: eviction first, then preemption of the
         newest unscheduled sequence; if none is left, ``seq`` preempts itself (False)."""
-        while not self._evict_for(num_blocks):
+        while not self.kv.make_free(num_blocks):
             victim = self._pick_victim(scheduled_ids | {seq.seq_id})
             if victim is None:
                 self._preempt(seq, plan)
@@ -253,9 +198,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute preemption: blocks freed (its full ones stay cached), back to waiting."""
-        self._release_cache_handle(seq, grace_s=0.0)
-        self.block_pool.free(seq.block_table)
-        seq.block_table = []
+        self.kv.free(seq, grace_s=0.0)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -265,28 +208,13 @@ class Scheduler:
         plan.preempted_seq_ids.append(seq.seq_id)
 
     def _fork(self, leader: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
-        """Give each pending sibling the leader's computed prompt prefix: full blocks
-        are shared (and the leader's cache handle locked once more per sibling), a
-        partially filled last block is copied (copy-on-write)."""
-        pool = self.block_pool
+        """Start the leader's pending siblings on its computed prompt prefix (the KV
+        manager shares full blocks and copies a partial one)."""
         children = leader.pending_fork
-        num_full = leader.num_computed_tokens // pool.block_size
-        has_partial = leader.num_computed_tokens % pool.block_size != 0
-        if not self._make_room(len(children) if has_partial else 0, leader, plan, scheduled_ids):
+        if not self._make_room(leader, self.kv.fork_blocks_needed(leader, len(children)), plan, scheduled_ids):
             return False
-        shared = leader.block_table[:num_full]
+        plan.block_copies.extend(self.kv.fork(leader, children))
         for child in children:
-            pool.share(shared)
-            child.block_table = list(shared)
-            if has_partial:
-                copy = pool.allocate(1)[0]
-                plan.block_copies.append((leader.block_table[num_full], copy))
-                child.block_table.append(copy)
-            child.num_computed_tokens = leader.num_computed_tokens
-            child.num_cached_tokens = leader.num_cached_tokens
-            if leader.cache_handle is not None:
-                self.prefix_cache.lock(leader.cache_handle)
-                child.cache_handle = leader.cache_handle
             child.status = SeqStatus.RUNNING
             self._seqs[child.seq_id] = child
         leader.pending_fork = []
@@ -294,104 +222,88 @@ class Scheduler:
         self._running[position:position] = children
         return True
 
-    # ------------------------------------------------------------ prefix cache
-    def _cache_full_blocks(self, seq: Sequence) -> None:
-        """Insert ``seq``'s newly computed full blocks into the cache and move its lock
-        to the longer prefix."""
-        old = seq.cache_handle
-        if old is None:
-            return
-        bs = self.block_pool.block_size
-        num_full = seq.num_computed_tokens // bs
-        if num_full <= old.num_blocks:
-            return
-        start = old.num_blocks
-        new = self.prefix_cache.insert(old, seq.token_slice(start * bs, num_full * bs),
-                                       seq.block_table[start:num_full])
-        self.prefix_cache.lock(new)
-        self.prefix_cache.unlock(old)
-        seq.cache_handle = new
-
-    def _release_cache_handle(self, seq: Sequence, grace_s: float) -> None:
-        if seq.cache_handle is not None:
-            self.prefix_cache.unlock(seq.cache_handle, grace_s)
-            seq.cache_handle = None
-
-    def reset_prefix_cache(self) -> int:
-        """Drop every cached block no running sequence uses; returns how many."""
-        return self.prefix_cache.reset() if self.prefix_cache is not None else 0
-
-    @staticmethod
-    def _scheduled(seq: Sequence, num_new: int) -> ScheduledSeq:
+    def _scheduled(self, seq: Sequence, num_new: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
+        sample = start + num_new == seq.num_tokens and not seq.pending_fork
         return ScheduledSeq(
             seq_id=seq.seq_id, token_ids=seq.token_slice(start, start + num_new),
-            start_position=start, block_table=list(seq.block_table),
-            sample=start + num_new == seq.num_tokens and not seq.pending_fork,
+            start_position=start, block_table=list(seq.block_table), sample=sample,
             params=seq.params, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids, eos_token_ids=seq.eos_token_ids,
             sibling_index=seq.sibling_index,
-            want_prompt_logprobs=(seq.params.prompt_logprobs is not None and seq.sibling_index == 0
-                                  and start + num_new > seq.num_prompt_logprobs_done - 1
-                                  and start < len(seq.prompt_token_ids) - 1))
+            want_prompt_logprobs=wants_prompt_logprobs(seq, start, num_new),
+            lookahead_limit=self._lookahead_limit(seq, num_new, sample))
 
-    # ---------------------------------------------------------------- update
+    def _lookahead_limit(self, seq: Sequence, num_new: int, sample: bool) -> int:
+        """Most lookahead tokens a decoding sequence may verify this step: the step then
+        emits up to limit + 1 tokens, within max_tokens, the context and its own cap."""
+        if not sample or num_new != 1 or seq.max_lookahead_tokens == 0:
+            return 0
+        limit = seq.max_tokens - len(seq.output_token_ids) - 1
+        if self.max_model_len is not None:
+            limit = min(limit, self.max_model_len - seq.num_tokens - 1)
+        if seq.max_lookahead_tokens is not None:
+            limit = min(limit, seq.max_lookahead_tokens)
+        return max(limit, 0)
+
+    # --------------------------------------------------------------- lookahead
+    def reserve_lookahead(self, plan: StepPlan, item: ScheduledSeq, num_slots: int) -> int:
+        """Reserve up to ``num_slots`` lookahead slots (budget and blocks, never by
+        preempting anyone) after ``item``'s tokens; the number granted."""
+        seq = self._seqs.get(item.seq_id)
+        num_slots = min(num_slots, item.lookahead_limit, plan.token_budget_left)
+        if seq is None or num_slots <= 0:
+            return 0
+        granted = self.kv.allocate_lookahead(seq, item.num_tokens, num_slots)
+        if granted:
+            item.block_table = list(seq.block_table)
+            item.num_lookahead_slots = granted
+            plan.token_budget_left -= granted
+        return granted
+
+    # ------------------------------------------------------------------ update
     def update(self, plan: StepPlan, result: StepResult) -> list[SeqUpdate]:
-        """Advance computed counts, append sampled tokens (accepted drafts first), finish
-        sequences that stop, and give back the blocks reserved for rejected drafts."""
+        """Advance computed counts, append sampled tokens (accepted lookahead first),
+        finish sequences that stop, and give back unused lookahead slots."""
         updates = []
         for item in plan.scheduled:
             seq = self._seqs.get(item.seq_id)
             if seq is None or seq.is_finished or seq.status is not SeqStatus.RUNNING:
                 continue          # aborted or preempted after this plan was made
             seq.num_computed_tokens += item.num_tokens
-            prompt_lps = self._new_prompt_logprobs(seq, item, result)
+            prompt_lps = new_prompt_logprobs(seq, item, result)
             if not item.sample:
-                self._cache_full_blocks(seq)
+                self.kv.commit(seq)
                 if prompt_lps:
                     updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index, [], [], None,
                                              seq.num_cached_tokens, prompt_logprobs=prompt_lps))
                 continue
-            accepted = result.accepted_drafts.get(item.seq_id, [])
-            emitted, reason = [], None
-            for sampled in accepted + [result.sampled[item.seq_id]]:
-                seq.output_token_ids.append(sampled.token_id)
-                emitted.append(sampled)
-                reason = self._stop_reason(seq, sampled.token_id)
-                if reason is not None:
-                    break
+            accepted = result.accepted_lookahead.get(item.seq_id, [])
+            emitted, reason = self._append_tokens(seq, accepted + [result.sampled[item.seq_id]])
             # every emitted token but the last had its KV computed in the verification pass
             seq.num_computed_tokens += len(emitted) - 1
-            self._cache_full_blocks(seq)
+            self.kv.commit(seq)
             if reason is not None:
                 self._finish(seq, reason)
-            elif item.num_draft_slots:
-                self._release_draft_blocks(seq)
+            elif item.num_lookahead_slots:
+                self.kv.trim(seq)
             updates.append(SeqUpdate(seq.seq_id, seq.request_id, seq.sibling_index,
                                      [t.token_id for t in emitted], emitted,
                                      reason.value if reason else None, seq.num_cached_tokens,
-                                     len(item.draft_token_ids), len(accepted), prompt_lps))
+                                     len(item.lookahead_token_ids), len(accepted), prompt_lps))
         return updates
 
-    @staticmethod
-    def _new_prompt_logprobs(seq: Sequence, item: ScheduledSeq, result: StepResult) -> list:
-        """The prompt logprobs this chunk produced that were not reported before."""
-        produced = result.prompt_logprobs.get(item.seq_id)
-        if not produced:
-            return []
-        first_position = item.start_position + 1              # position of produced[0]
-        skip = max(0, seq.num_prompt_logprobs_done - first_position)
-        fresh = produced[skip:]
-        seq.num_prompt_logprobs_done = max(seq.num_prompt_logprobs_done, first_position + len(produced))
-        return fresh
-
-    def _release_draft_blocks(self, seq: Sequence) -> None:
-        """Free blocks reserved for drafts that were rejected (or never proposed): a
-        sequence holds exactly the blocks of its computed tokens."""
-        keep = self.block_pool.blocks_for_tokens(seq.num_computed_tokens)
-        if len(seq.block_table) > keep:
-            self.block_pool.free(seq.block_table[keep:])
-            del seq.block_table[keep:]
+    def _append_tokens(self, seq: Sequence, tokens: list[SampledToken]
+                       ) -> tuple[list[SampledToken], FinishReason | None]:
+        """Append tokens up to the first that stops the sequence; (appended, reason)."""
+        emitted = []
+        for sampled in tokens:
+            seq.output_token_ids.append(sampled.token_id)
+            emitted.append(sampled)
+            reason = self._stop_reason(seq, sampled.token_id)
+            if reason is not None:
+                return emitted, reason
+        return emitted, None
 
     @staticmethod
     def _stop_reason(seq: Sequence, token_id: int) -> FinishReason | None:
@@ -409,10 +321,7 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
         grace_s = seq.cache_grace_s if seq.cache_grace_s is not None else self.config.prefix_cache_grace_s
-        self._release_cache_handle(seq, 0.0 if reason is FinishReason.ABORT else grace_s)
-        if seq.block_table:
-            self.block_pool.free(seq.block_table)
-            seq.block_table = []
+        self.kv.free(seq, 0.0 if reason is FinishReason.ABORT else grace_s)
         for child in seq.pending_fork:       # never forked: finish with the leader
             child.status = SeqStatus.FINISHED
             child.finish_reason = reason
@@ -423,12 +332,3 @@ class Scheduler:
         siblings = self._by_request.get(seq.request_id)
         if siblings is not None and all(s.is_finished for s in siblings):
             del self._by_request[seq.request_id]
-
-    def finish_sequence(self, seq_id: int, reason: FinishReason) -> None:
-        """End one sequence (e.g. a stop string matched in the front end); frees its blocks."""
-        seq = self._seqs.get(seq_id)
-        if seq is not None and not seq.is_finished:
-            if seq.status is SeqStatus.WAITING:
-                self._waiting = [(k, s) for k, s in self._waiting if s is not seq]
-                heapq.heapify(self._waiting)
-            self._finish(seq, reason)

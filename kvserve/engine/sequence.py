@@ -63,9 +63,9 @@ class Sequence:
     cache_handle: PrefixHandle | None = None
     num_cached_tokens: int = 0            # prompt tokens served by the cache at first admission
     cache_grace_s: float | None = None    # protection after finishing; None = the scheduler's default
-    # Speculative decoding: most drafts per step for this sequence (None = the
-    # engine's setting, 0 = never speculate).
-    num_speculative_tokens: int | None = None
+    # Lookahead (speculative) tokens per step for this sequence: None = the engine's
+    # setting, 0 = never (the request's num_speculative_tokens).
+    max_lookahead_tokens: int | None = None
     # prompt_logprobs: prompt positions whose logprob was already reported (a recompute
     # after preemption does not report them twice). Position 0 has none.
     num_prompt_logprobs_done: int = 1
@@ -82,9 +82,13 @@ class Sequence:
     @property
     def num_tokens_to_compute(self) -> int:
         """Tokens not yet in the KV cache; a leader stops one short of its prompt until it forks."""
+        return self.num_tokens_to_compute_after(self.num_computed_tokens)
+
+    def num_tokens_to_compute_after(self, num_computed: int) -> int:
+        """``num_tokens_to_compute`` if ``num_computed`` tokens were in the KV cache."""
         if self.pending_fork:
-            return max(0, len(self.prompt_token_ids) - 1 - self.num_computed_tokens)
-        return self.num_tokens - self.num_computed_tokens
+            return max(0, len(self.prompt_token_ids) - 1 - num_computed)
+        return self.num_tokens - num_computed
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

@@ -25,18 +25,20 @@ class ScheduledSeq:
     output_token_ids: list[int]      # read-only view for penalties / min_tokens / seeds
     eos_token_ids: frozenset[int]
     sibling_index: int
-    # Speculative decoding: the scheduler reserves blocks and budget for up to
-    # ``num_draft_slots`` drafts after ``token_ids``; the proposer fills
-    # ``draft_token_ids`` (possibly fewer) before the runner verifies them.
-    num_draft_slots: int = 0
-    draft_token_ids: list[int] = field(default_factory=list)
+    # Lookahead (speculative) tokens: ``lookahead_limit`` is the most this sequence may
+    # take this step (its max_tokens, the context and the request's cap); a speculator
+    # reserves ``num_lookahead_slots`` of them (blocks and budget) and fills
+    # ``lookahead_token_ids`` (possibly fewer) before the runner verifies them.
+    lookahead_limit: int = 0
+    num_lookahead_slots: int = 0
+    lookahead_token_ids: list[int] = field(default_factory=list)
     # prompt_logprobs: also return the logprob of each prompt token this chunk predicts
     # (the token after each position, while it is still a prompt token).
     want_prompt_logprobs: bool = False
 
     @property
     def num_tokens(self) -> int:
-        """Tokens that are certainly computed (drafts are counted separately)."""
+        """Tokens that are certainly computed (lookahead tokens are counted separately)."""
         return len(self.token_ids)
 
     @property
@@ -54,11 +56,12 @@ class StepPlan:
     # (copy-on-write of a partially filled block shared at an n > 1 fork).
     block_copies: list[tuple[int, int]] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)
+    token_budget_left: int = 0       # of max_num_batched_tokens, for lookahead tokens
 
     @property
     def num_tokens(self) -> int:
-        """Tokens the forward pass computes, drafts included."""
-        return sum(s.num_tokens + len(s.draft_token_ids) for s in self.scheduled)
+        """Tokens the forward pass computes, lookahead tokens included."""
+        return sum(s.num_tokens + len(s.lookahead_token_ids) for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -78,12 +81,12 @@ class SampledToken:
 class StepResult:
     """Runner output: one SampledToken per ScheduledSeq with ``sample`` set.
 
-    A sequence that verified drafts emits ``accepted_drafts[seq_id]`` (the drafts that
-    matched the target, in order) and then ``sampled[seq_id]``.
+    A sequence that verified lookahead tokens emits ``accepted_lookahead[seq_id]`` (the
+    ones the target accepted, in order) and then ``sampled[seq_id]``.
     """
 
     sampled: dict[int, SampledToken] = field(default_factory=dict)   # seq_id -> token
-    accepted_drafts: dict[int, list[SampledToken]] = field(default_factory=dict)
+    accepted_lookahead: dict[int, list[SampledToken]] = field(default_factory=dict)
     # seq_id -> logprobs of prompt tokens start_position + 1 .. (in order), when asked
     prompt_logprobs: dict[int, list[SampledToken]] = field(default_factory=dict)
     forward_time_s: float = 0.0
@@ -100,6 +103,6 @@ class SeqUpdate:
     new_logprobs: list[SampledToken]
     finish_reason: str | None = None
     num_cached_tokens: int = 0       # prompt tokens of this request served by the prefix cache
-    num_draft_proposed: int = 0      # speculative drafts verified this step
+    num_draft_proposed: int = 0      # lookahead (draft) tokens verified this step
     num_draft_accepted: int = 0      # of those, accepted (they lead new_token_ids)
     prompt_logprobs: list[SampledToken] = field(default_factory=list)   # next prompt tokens' logprobs

@@ -5,7 +5,8 @@ import itertools
 from dataclasses import fields
 from typing import Any, Sequence
 
-from kvserve.engine.engine_core import EngineConfig, EngineCore
+from kvserve.engine.config import EngineConfig
+from kvserve.engine.request import EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.outputs import RequestOutput
@@ -22,6 +23,7 @@ class LLM:
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
+        from kvserve.builder import build_engine
         from kvserve.loader import load_checkpoint, resolve_model_path
         from kvserve.tokenizer import Tokenizer
 
@@ -32,7 +34,7 @@ class LLM:
         path = resolve_model_path(model)
         self.config = EngineConfig(model=path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(path)
-        self.engine = EngineCore(self.config, load_checkpoint(path))
+        self.engine = build_engine(self.config, load_checkpoint(path))
         self.processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
         self._request_ids = itertools.count()
 
@@ -93,21 +95,28 @@ class LLM:
                        else list(sampling_params))
         if len(params_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
-        encoded = [self.encode_prompt(prompt) for prompt in prompt_list]
-        for (_text, token_ids), params in zip(encoded, params_list):
-            self.engine.validate_request(token_ids, params)      # all or nothing
-        order = []
-        for i, ((text, token_ids), params) in enumerate(zip(encoded, params_list)):
-            request_id = str(next(self._request_ids))
-            self.engine.add_request(request_id, token_ids, params, self.tokenizer.eos_token_ids,
+        requests = []
+        for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
+            text, token_ids = self.encode_prompt(prompt)
+            request = EngineRequest(str(next(self._request_ids)), token_ids, params,
+                                    frozenset(self.tokenizer.eos_token_ids),
                                     priority[i] if priority is not None else 0, cache_salt=cache_salt,
                                     adapter_id=adapter_id, use_prefix_cache=use_prefix_cache,
                                     prefix_cache_grace_s=prefix_cache_grace_s,
                                     num_speculative_tokens=num_speculative_tokens)
-            self.processor.add_request(request_id, text, token_ids, params)
-            order.append(request_id)
+            requests.append((text, request))
+        for _text, request in requests:
+            self.engine.validate_request(request)      # all or nothing
+        for text, request in requests:
+            self.add_request(request, text)
         results = self._run_to_completion()
-        return [results[rid] for rid in order]
+        return [results[request.request_id] for _text, request in requests]
+
+    def add_request(self, request: EngineRequest, prompt_text: str | None = None) -> None:
+        """Queue one request in the engine and the output processor (``generate`` does this
+        for every prompt; outputs come from stepping ``self.engine``)."""
+        self.engine.add_request(request)
+        self.processor.add_request(request.request_id, prompt_text, request.prompt_token_ids, request.params)
 
     def chat(self, conversations, sampling_params: SamplingParams | None = None,
              **cache_kwargs) -> list[RequestOutput]:

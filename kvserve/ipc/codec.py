@@ -5,9 +5,10 @@ Messages are plain dataclasses. On the wire each is a msgpack map
 decoding builds only the dataclasses registered here, from ints, floats, strings,
 lists and dicts.
 
-HTTP -> engine: InitEngine (once, first), AddRequest, AbortRequests, StopSequences,
-ResetPrefixCache, Shutdown. Engine -> HTTP: EngineReady (once), StepOutputs, RequestError,
-EngineStats, PrefixCacheReset (the answer to ResetPrefixCache).
+HTTP -> engine: InitEngine (once, first), EngineRequest (the engine's own request type,
+sent as it is), AbortRequests, StopSequences, ResetPrefixCache, Shutdown. Engine -> HTTP:
+EngineReady (once), StepOutputs, RequestError, EngineStatsUpdate, PrefixCacheReset (the
+answer to ResetPrefixCache).
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any
 
 import msgpack
 
+from kvserve.engine.request import EngineRequest
+from kvserve.engine.stats import EngineStats
 from kvserve.engine.step import SampledToken, SeqUpdate
 from kvserve.sampling.params import SamplingParams
 
@@ -52,25 +55,6 @@ class EngineReady:
 
 
 @dataclass
-class AddRequest:
-    """Queue a request (``params.n`` sequences); ``tenant`` names who sent it (API key's tenant).
-
-    ``cache_salt`` namespaces the prefix cache; the HTTP process derives it from the
-    authenticated caller (never from the request body). ``use_prefix_cache`` False: the
-    request neither reads nor fills the prefix cache."""
-
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    eos_token_ids: list[int] | None = None
-    priority: int = 0
-    tenant: str | None = None
-    cache_salt: str | None = None
-    use_prefix_cache: bool = True
-    num_speculative_tokens: int | None = None      # None: the engine's setting; 0: no speculation
-
-
-@dataclass
 class AbortRequests:
     """Abort these requests now (client gone, deadline, drain); their blocks are freed."""
 
@@ -102,10 +86,10 @@ class Shutdown:
 
 
 @dataclass
-class EngineStats:
+class EngineStatsUpdate:
     """Gauges and counters of the engine (EngineCore.stats plus the loop's own)."""
 
-    stats: dict[str, Any]
+    stats: EngineStats
 
 
 @dataclass
@@ -115,7 +99,7 @@ class StepOutputs:
 
     updates: list[SeqUpdate]
     started: list[str] = field(default_factory=list)
-    stats: dict[str, Any] = field(default_factory=dict)
+    stats: EngineStats = field(default_factory=EngineStats)
 
 
 @dataclass
@@ -128,7 +112,7 @@ class RequestError:
 
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
-    InitEngine, EngineReady, AddRequest, AbortRequests, StopSequences, Shutdown, EngineStats,
+    InitEngine, EngineReady, EngineRequest, AbortRequests, StopSequences, Shutdown, EngineStatsUpdate,
     StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset)}
 
 
@@ -161,10 +145,15 @@ def to_wire(message) -> dict:
         raise CodecError(f"not a codec message: {name}")
     if isinstance(message, StepOutputs):
         return {"t": name, "updates": [_update_to_wire(u) for u in message.updates],
-                "started": message.started, "stats": message.stats}
+                "started": message.started, "stats": message.stats.to_dict()}
+    if isinstance(message, EngineStatsUpdate):
+        return {"t": name, "stats": message.stats.to_dict()}
     body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
-    if isinstance(message, AddRequest):
+    if isinstance(message, EngineRequest):
         body["params"] = dataclasses.asdict(message.params)
+        body["prompt_token_ids"] = list(message.prompt_token_ids)
+        if message.eos_token_ids is not None:
+            body["eos_token_ids"] = sorted(message.eos_token_ids)
     return {"t": name, **body}
 
 
@@ -175,9 +164,14 @@ def from_wire(raw: Any):
     cls = _TYPES[raw.pop("t")]
     try:
         if cls is StepOutputs:
-            return StepOutputs([_update_from_wire(u) for u in raw["updates"]], raw["started"], raw["stats"])
-        if cls is AddRequest:
+            return StepOutputs([_update_from_wire(u) for u in raw["updates"]], raw["started"],
+                               EngineStats.from_dict(raw["stats"]))
+        if cls is EngineStatsUpdate:
+            return EngineStatsUpdate(EngineStats.from_dict(raw["stats"]))
+        if cls is EngineRequest:
             raw["params"] = SamplingParams(**raw["params"])
+            if raw.get("eos_token_ids") is not None:
+                raw["eos_token_ids"] = frozenset(raw["eos_token_ids"])
         return cls(**raw)
     except (TypeError, KeyError, ValueError) as exc:
         raise CodecError(f"malformed {cls.__name__}: {exc}") from exc

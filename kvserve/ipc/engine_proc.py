@@ -17,12 +17,15 @@ one engine step. EOF on the socket (the HTTP process is gone) ends the process.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import select
 import socket
 import sys
 
+from kvserve.engine.request import RequestStatus
+from kvserve.engine.stats import EngineStats
 from kvserve.ipc import codec
 
 logger = logging.getLogger("kvserve.engine_proc")
@@ -63,7 +66,7 @@ class EngineLoop:
 
     # ------------------------------------------------------------- messages
     def handle(self, message) -> None:
-        if isinstance(message, codec.AddRequest):
+        if isinstance(message, codec.EngineRequest):
             self._add(message)
         elif isinstance(message, codec.AbortRequests):
             for request_id in message.request_ids:
@@ -81,21 +84,17 @@ class EngineLoop:
         else:
             logger.warning("ignoring unexpected message %s", type(message).__name__)
 
-    def _add(self, message: codec.AddRequest) -> None:
+    def _add(self, request: codec.EngineRequest) -> None:
+        """Queue the request exactly as the HTTP process built it (its cache salt was
+        derived from the caller's tenant: tenants never share KV blocks)."""
         from kvserve.errors import KVServeError
-        eos = frozenset(message.eos_token_ids) if message.eos_token_ids is not None else None
         try:
-            # The salt (derived from the caller's tenant by the HTTP process) namespaces the
-            # prefix cache: tenants never share KV blocks.
-            self.engine.add_request(message.request_id, message.prompt_token_ids, message.params, eos,
-                                    message.priority, cache_salt=message.cache_salt,
-                                    use_prefix_cache=bool(message.use_prefix_cache),
-                                    num_speculative_tokens=message.num_speculative_tokens)
+            self.engine.add_request(request)
         except KVServeError as err:
-            self.send(codec.RequestError(message.request_id, err.http_status, err.to_dict()))
+            self.send(codec.RequestError(request.request_id, err.http_status, err.to_dict()))
             return
-        self.waiting_ids.add(message.request_id)
-        self.tenants[message.request_id] = message.tenant
+        self.waiting_ids.add(request.request_id)
+        self.tenants[request.request_id] = request.tenant
 
     def _forget(self, request_id: str) -> None:
         self.waiting_ids.discard(request_id)
@@ -119,34 +118,16 @@ class EngineLoop:
         """Requests scheduled for the first time in the last step (queue time over)."""
         if not self.waiting_ids:
             return []
-        started = [rid for rid in self.waiting_ids if not self._request_waiting(rid)]
+        started = [rid for rid in self.waiting_ids if self.engine.request_status(rid) is not RequestStatus.WAITING]
         self.waiting_ids.difference_update(started)
         return started
 
-    def _request_seqs(self, request_id: str) -> list | None:
-        """The scheduler's sequences of a request, or None if the scheduler cannot say.
-
-        A read-only peek at ``Scheduler._by_request`` (the engine has no public per-request
-        query yet); without it, queue time ends at the first token instead."""
-        by_request = getattr(self.engine.scheduler, "_by_request", None)
-        return None if by_request is None else by_request.get(request_id, [])
-
-    def _request_waiting(self, request_id: str) -> bool:
-        from kvserve.engine.sequence import SeqStatus
-        seqs = self._request_seqs(request_id)
-        if seqs is None:
-            return True
-        return bool(seqs) and all(s.status is SeqStatus.WAITING and s.num_computed_tokens == 0 for s in seqs)
-
     def _request_live(self, request_id: str) -> bool:
-        seqs = self._request_seqs(request_id)
-        return True if seqs is None else bool(seqs)
+        return self.engine.request_status(request_id) is not None
 
-    def stats(self) -> dict:
-        stats = dict(self.engine.stats())
-        stats.update(num_requests=len(self.tenants), num_aborted=self.num_aborted,
-                     integrity_ok=self.integrity_ok)
-        return stats
+    def stats(self) -> EngineStats:
+        return dataclasses.replace(self.engine.stats(), num_requests=len(self.tenants),
+                                   num_aborted=self.num_aborted, integrity_ok=self.integrity_ok)
 
     def check_idle_integrity(self) -> None:
         try:
@@ -170,7 +151,7 @@ class EngineLoop:
                 self.tenants.clear()              # nothing unfinished: every request has ended
                 self.waiting_ids.clear()
                 self.check_idle_integrity()
-                self.send(codec.EngineStats(self.stats()))
+                self.send(codec.EngineStatsUpdate(self.stats()))
 
 
 def _read_init(sock: socket.socket) -> codec.InitEngine:
@@ -188,10 +169,10 @@ def _read_init(sock: socket.socket) -> codec.InitEngine:
 
 def build_engine(engine_config: dict):
     """An EngineCore from EngineConfig fields."""
-    from kvserve.engine.engine_core import EngineConfig, EngineCore
-    from kvserve.loader import load_checkpoint, resolve_model_path
-    config = EngineConfig(**{**engine_config, "model": resolve_model_path(engine_config.get("model"))})
-    return EngineCore(config, load_checkpoint(config.model))
+    from kvserve.builder import build_engine as build
+    from kvserve.engine.config import EngineConfig
+    from kvserve.loader import resolve_model_path
+    return build(EngineConfig(**{**engine_config, "model": resolve_model_path(engine_config.get("model"))}))
 
 
 def serve(sock: socket.socket) -> int:
@@ -204,7 +185,7 @@ def serve(sock: socket.socket) -> int:
     loop = EngineLoop(engine, sock)
     loop.send(codec.EngineReady(
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
-        num_blocks=engine.block_pool.num_blocks, block_size=engine.config.block_size,
+        num_blocks=engine.kv.num_blocks, block_size=engine.config.block_size,
         kv_max_tokens=engine.kv_plan.max_tokens, eos_token_ids=sorted(engine.model_config.eos_token_ids),
         kv_explanation=engine.kv_plan.explanation, pid=os.getpid()))
     try:

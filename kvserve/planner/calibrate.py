@@ -1,7 +1,7 @@
 """Fit the roofline's efficiency factors to kvserve's measured run times (pure numpy).
 
 Each measured run (``batch`` prompts of ``prompt`` tokens, ``max_tokens`` outputs, all
-at once) is replayed through the scheduler model (:mod:`simulate`), giving its steps.
+at once) is run through the engine's own scheduler (:mod:`simulate`), giving its steps.
 Per step the roofline at 100% efficiency gives weight-stream seconds A, GEMM seconds B,
 and per attention kernel KV seconds C and attention-FLOP seconds D. The predicted run time is::
 

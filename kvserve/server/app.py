@@ -202,6 +202,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         ctx.metrics.ready.set(0 if ctx.state.not_ready_reason(ctx.client) else 1)
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
+    _add_admin_routes(app, ctx)
+    _add_token_routes(app, ctx)
+
+
+def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/admin/reset_prefix_cache")
     async def reset_prefix_cache():
         """Admin: drop the engine's prefix-cached blocks (behind the API key when keys are set)."""
@@ -211,6 +216,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         logger.info("prefix cache reset: %d cached blocks dropped", num_blocks)
         return {"reset": True}
 
+
+def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         values = protocol.parse_tokenize(await read_json(request, ctx))

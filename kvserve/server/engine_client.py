@@ -23,12 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from kvserve.engine.request import EngineRequest
+from kvserve.engine.stats import EngineStats
 from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.outputs import RequestOutput
-from kvserve.sampling.params import SamplingParams
 from kvserve.ipc import codec
-from kvserve.server.auth import cache_salt
 from kvserve.server.errors import ServiceUnavailableError
 from kvserve.server.metrics import ServerMetrics
 
@@ -62,7 +62,7 @@ class EngineClient:
         self.processor = OutputProcessor(tokenizer, self._stop_sequence)
         self.requests: dict[str, TrackedRequest] = {}
         self.info: codec.EngineReady | None = None
-        self.stats: dict = {}
+        self.stats = EngineStats()
         self.process: subprocess.Popen | None = None
         self.dead = False
         self.last_token_time = time.monotonic()
@@ -123,20 +123,16 @@ class EngineClient:
         return self.process.returncode
 
     # -------------------------------------------------------------- requests
-    def submit(self, request_id: str, prompt_token_ids: list[int], prompt_text: str | None,
-               params: SamplingParams, sink: asyncio.Queue, tag: int, arrival: float,
-               tenant: str | None = None, priority: int = 0, use_prefix_cache: bool = True,
-               num_speculative_tokens: int | None = None) -> None:
-        """Send a validated request to the engine; its events go to ``sink`` tagged ``tag``."""
+    def submit(self, request: EngineRequest, prompt_text: str | None, sink: asyncio.Queue, tag: int,
+               arrival: float) -> None:
+        """Send a validated request to the engine as it is; its events go to ``sink`` tagged ``tag``."""
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
-        self.requests[request_id] = TrackedRequest(request_id, sink, tag, len(prompt_token_ids), arrival)
-        self.processor.add_request(request_id, prompt_text, prompt_token_ids, params)
-        self.metrics.prompt_tokens.inc(len(prompt_token_ids))
-        self._send(codec.AddRequest(request_id, list(prompt_token_ids), params,
-                                    sorted(self.tokenizer.eos_token_ids), priority, tenant,
-                                    cache_salt=cache_salt(tenant), use_prefix_cache=use_prefix_cache,
-                                    num_speculative_tokens=num_speculative_tokens))
+        request_id, num_prompt = request.request_id, len(request.prompt_token_ids)
+        self.requests[request_id] = TrackedRequest(request_id, sink, tag, num_prompt, arrival)
+        self.processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.params)
+        self.metrics.prompt_tokens.inc(num_prompt)
+        self._send(request)
 
     async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
         """Admin: have the engine drop every prefix-cached block no running request uses;
@@ -193,7 +189,7 @@ class EngineClient:
     def _handle(self, message) -> None:
         if isinstance(message, codec.StepOutputs):
             self._on_step(message)
-        elif isinstance(message, codec.EngineStats):
+        elif isinstance(message, codec.EngineStatsUpdate):
             self.stats = message.stats
             self.metrics.update_engine(message.stats)
         elif isinstance(message, codec.PrefixCacheReset):

@@ -8,6 +8,8 @@ from __future__ import annotations
 import math
 from bisect import bisect_left
 
+from kvserve.engine.stats import EngineStats
+
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                      0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
 
@@ -138,29 +140,29 @@ class ServerMetrics:
                      self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
                      self.rejected]
 
-    def update_engine(self, stats: dict) -> None:
+    def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""
-        self.running.set(stats.get("num_running_seqs", 0))
-        self.waiting.set(stats.get("num_waiting_seqs", 0))
-        self.kv_used.set(stats.get("kv_blocks_used", 0))
-        self.kv_total.set(stats.get("kv_blocks_total", 0))
-        self.kv_cached.set(stats.get("kv_blocks_cached", 0))
-        self.prefix_hit_rate.set(stats.get("prefix_cache_hit_rate", 0.0))
-        self.prefix_hit_tokens.set_total(stats.get("prefix_cache_hit_tokens", 0))
-        self.prefix_queries.set_total(stats.get("prefix_cache_queries", 0))
-        self.prefix_evicted.set_total(stats.get("prefix_cache_evicted_blocks", 0))
-        self.prefix_blocks.set(stats.get("prefix_cache_blocks", 0))
-        self.preemptions.set_total(stats.get("num_preemptions", 0))
-        self.engine_steps.set_total(stats.get("num_steps", 0))
-        self.integrity.set(1 if stats.get("integrity_ok", True) else 0)
-        if stats.get("spec_enabled"):
-            self.spec_proposed.set_total(stats.get("spec_num_proposed", 0))
-            self.spec_accepted.set_total(stats.get("spec_num_accepted", 0))
-            self.spec_verifications.set_total(stats.get("spec_num_verifications", 0))
-            self.spec_steps_off.set_total(stats.get("spec_num_steps_off", 0))
-            verifications = stats.get("spec_num_verifications", 0)
-            self.spec_mean_len.set(stats.get("spec_num_accepted", 0) / verifications if verifications else 0.0)
-            for position, count in enumerate(stats.get("spec_accepted_per_position", [])):
+        self.running.set(stats.num_running_seqs)
+        self.waiting.set(stats.num_waiting_seqs)
+        self.kv_used.set(stats.kv_blocks_used)
+        self.kv_total.set(stats.kv_blocks_total)
+        self.kv_cached.set(stats.kv_blocks_cached)
+        self.prefix_hit_rate.set(stats.prefix_cache_hit_rate)
+        self.prefix_hit_tokens.set_total(stats.prefix_cache_hit_tokens)
+        self.prefix_queries.set_total(stats.prefix_cache_queries)
+        self.prefix_evicted.set_total(stats.prefix_cache_evicted_blocks)
+        self.prefix_blocks.set(stats.prefix_cache_blocks)
+        self.preemptions.set_total(stats.num_preemptions)
+        self.engine_steps.set_total(stats.num_steps)
+        self.integrity.set(1 if stats.integrity_ok else 0)
+        spec = stats.speculation
+        if spec.enabled:
+            self.spec_proposed.set_total(spec.num_proposed)
+            self.spec_accepted.set_total(spec.num_accepted)
+            self.spec_verifications.set_total(spec.num_verifications)
+            self.spec_steps_off.set_total(spec.num_steps_off)
+            self.spec_mean_len.set(spec.mean_accepted_length)
+            for position, count in enumerate(spec.accepted_per_position):
                 self.spec_accepted_pos.set_total(count, position=str(position))
 
     def render(self) -> str:

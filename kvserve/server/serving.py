@@ -14,15 +14,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 import uuid
 from dataclasses import dataclass
 from typing import AsyncIterator
 
-from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
+from kvserve.engine import admission
+from kvserve.engine.admission import EngineLimits
+from kvserve.engine.request import EngineRequest
+from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
+from kvserve.server.auth import cache_salt
 from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
@@ -50,10 +53,7 @@ def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]
         prompts = []
         for p in spec.prompts:
             if p.token_ids is not None:
-                bad = [t for t in p.token_ids if t >= info.vocab_size]
-                if bad:
-                    raise InvalidRequestError(f"token id {bad[0]} is outside the vocabulary "
-                                              f"[0, {info.vocab_size})", param="prompt")
+                admission.check_token_ids(p.token_ids, info.vocab_size)
                 prompts.append(PreparedPrompt(None, list(p.token_ids)))
             else:
                 prompts.append(PreparedPrompt(p.text, tokenizer.encode(p.text)))
@@ -63,36 +63,21 @@ def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]
     return prompts
 
 
+def engine_limits(info) -> EngineLimits:
+    """The engine's numbers (from ``EngineReady``) that admission checks against."""
+    return EngineLimits(info.max_model_len, info.vocab_size, info.block_size, info.num_blocks, info.kv_max_tokens)
+
+
 def check_logit_bias(spec: GenerateSpec, info) -> None:
-    """The engine's vocabulary rule for ``logit_bias`` (EngineCore.validate_request), checked
-    here too so that a streamed request is refused with a 400 before any header is sent."""
-    bias = spec.params.logit_bias
-    if bias and max(bias) >= info.vocab_size:
-        raise InvalidRequestError(f"logit_bias token id {max(bias)} is outside the vocabulary "
-                                  f"[0, {info.vocab_size})", param="logit_bias")
+    """The engine's vocabulary rule for ``logit_bias``, checked here too so that a streamed
+    request is refused with a 400 before any header is sent."""
+    admission.check_logit_bias(spec.params.logit_bias, info.vocab_size)
 
 
 def check_context(token_ids: list[int], spec: GenerateSpec, info, param: str) -> None:
-    """The engine's admission rule (EngineCore.validate_request), checked before any header is
-    sent: never a silent clamp."""
-    num, limit, max_tokens = len(token_ids), info.max_model_len, spec.params.max_tokens
-    if num == 0:
-        raise InvalidRequestError("the prompt is empty", param=param)
-    if num >= limit:
-        raise ContextLengthExceededError(
-            f"the prompt has {num} tokens; this model's context is {limit} tokens and at least one "
-            f"must be left to generate", param=param)
-    if max_tokens is not None and num + max_tokens > limit:
-        raise ContextLengthExceededError(
-            f"prompt ({num} tokens) + {spec.max_tokens_param} ({max_tokens}) = {num + max_tokens} exceeds "
-            f"the context of {limit} tokens", param=spec.max_tokens_param)
-    needed = min(math.ceil(limit / info.block_size), math.ceil((num + (max_tokens or 0)) / info.block_size))
-    if needed > info.num_blocks:
-        prompt_fits = math.ceil(num / info.block_size) <= info.num_blocks
-        raise ContextLengthExceededError(
-            f"the KV cache ({info.kv_max_tokens} tokens) cannot hold this request: prompt ({num} tokens) + "
-            f"{spec.max_tokens_param} ({max_tokens or 0})",
-            param=spec.max_tokens_param if prompt_fits and max_tokens else param)
+    """The engine's admission rule, checked before any header is sent: never a silent clamp."""
+    admission.check_context(len(token_ids), spec.params.max_tokens, engine_limits(info), param,
+                            spec.max_tokens_param)
 
 
 # ----------------------------------------------------------------- handler
@@ -121,11 +106,13 @@ class Generation:
 
     def submit(self) -> None:
         """Hand every prompt to the engine and arm the deadline (admission already passed)."""
+        spec = self.spec
         for tag, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
-            self.ctx.client.submit(engine_id, prompt.token_ids, prompt.text, self.spec.params, self.sink, tag,
-                                   self.arrival, tenant=self.tenant, priority=self.spec.priority,
-                                   use_prefix_cache=self.spec.use_prefix_cache,
-                                   num_speculative_tokens=self.spec.num_speculative_tokens)
+            request = EngineRequest(engine_id, prompt.token_ids, spec.params,
+                                    frozenset(self.ctx.tokenizer.eos_token_ids), spec.priority, self.tenant,
+                                    cache_salt=cache_salt(self.tenant), use_prefix_cache=spec.use_prefix_cache,
+                                    num_speculative_tokens=spec.num_speculative_tokens)
+            self.ctx.client.submit(request, prompt.text, self.sink, tag, self.arrival)
         logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r", self.id, len(self.prompts),
                      self.num_prompt_tokens, self.spec.user, self.tenant)
         deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s

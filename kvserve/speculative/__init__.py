@@ -1,6 +1,9 @@
-"""Speculative decoding: proposers (n-gram, draft model, self-draft), verification
-inside the target's batched forward, rejection sampling, and adaptive control.
+"""Speculative decoding as a plug-in beside the step: proposers (n-gram, draft model,
+self-draft) behind one ``Proposer`` interface and a read-only registry, one
+``Speculator`` that reserves lookahead slots and learns from verification, the
+``Verifier`` the runner is given, rejection sampling, and adaptive control.
 
-Import submodules directly (``kvserve.speculative.ngram`` …): the engine's runner imports
-``kvserve.speculative.verify`` and ``kvserve.speculative.draft`` imports the runner.
+It builds on the engine's seam (``kvserve.engine.lookahead``, ``step``, ``model_runner``
+for draft passes); the engine never imports this package, and nothing here imports the
+scheduler: the composition root (``kvserve.builder``) wires them together.
 """

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 from kvserve.errors import InvalidRequestError
 
-METHODS = ("ngram", "draft", "self")
+METHODS = ("ngram", "draft", "self")        # the registry's names (kvserve.speculative.registry)
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,8 @@ class SpeculativeConfig:
       ``1 + min_gain`` times the tokens per second of not speculating.
     - ``max_batch_size``: never speculate when more sequences than this decode in a
       step (``None``: the step-time model alone decides).
+    - ``adaptive``: False = every eligible sequence takes ``num_speculative_tokens``
+      every step, whatever the cost model predicts (fixed-k speculation).
     """
 
     method: str = "ngram"
@@ -33,6 +35,7 @@ class SpeculativeConfig:
     ngram_min: int = 1
     min_gain: float = 0.05
     max_batch_size: int | None = None
+    adaptive: bool = True
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -63,3 +66,13 @@ class SpeculativeConfig:
             return cls(method="self", draft_layers=int(arg), **overrides)
         raise InvalidRequestError(f"--speculative must be ngram, draft:<model> or self:<layers>; got {spec!r}",
                                   param="speculative")
+
+
+def speculative_config(value) -> SpeculativeConfig | None:
+    """``EngineConfig.speculative`` as a SpeculativeConfig: None or "" (off), a
+    SpeculativeConfig, a dict of its fields, or the CLI spelling."""
+    if value is None or value == "" or isinstance(value, SpeculativeConfig):
+        return value or None
+    if isinstance(value, dict):
+        return SpeculativeConfig(**value)
+    return SpeculativeConfig.parse(str(value))

@@ -131,11 +131,12 @@ class SpecController:
     """Chooses draft counts per step; learns from verification outcomes and step times."""
 
     def __init__(self, k_max: int, min_gain: float = 0.05, max_batch_size: int | None = None,
-                 uses_draft_model: bool = False):
+                 uses_draft_model: bool = False, adaptive: bool = True):
         self.k_max = k_max
         self.min_gain = min_gain
         self.max_batch_size = max_batch_size
         self.uses_draft_model = uses_draft_model
+        self.adaptive = adaptive                   # False: full k for every candidate, every step
         self.forward_time = LinearTimeModel()      # target forward seconds vs tokens
         self.draft_time = LinearTimeModel()        # one draft pass seconds vs sequences
         self.stats = SpecStats()
@@ -148,6 +149,9 @@ class SpecController:
         candidates = [(sid, limit) for sid, limit in candidates if limit > 0]
         if not candidates:
             return {}
+        if not self.adaptive:
+            self.stats.num_steps_on += 1
+            return {sid: min(limit, self.k_max) for sid, limit in candidates}
         num_seqs = len(candidates)
         if self.max_batch_size is not None and num_seqs > self.max_batch_size:
             self.stats.num_steps_off += 1
@@ -215,3 +219,7 @@ class SpecController:
     def forget(self, seq_id: int) -> None:
         """Drop a finished sequence's acceptance history."""
         self._seqs.pop(seq_id, None)
+
+    def tracked_seq_ids(self) -> set[int]:
+        """Sequences with an acceptance history (each is forgotten when it ends)."""
+        return set(self._seqs)

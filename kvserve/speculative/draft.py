@@ -29,7 +29,9 @@ from torch import nn
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sequence import token_slice
 from kvserve.engine.step import ScheduledSeq, StepPlan
+from kvserve.errors import InvalidRequestError
 from kvserve.sampling.sampler import SamplingRow, seeded_exponentials
+from kvserve.speculative.proposer import Draft, ProposerContext
 from kvserve.speculative.verify import target_distributions
 
 
@@ -45,7 +47,9 @@ def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
 
 
 class DraftModelProposer:
-    """Fills each speculating sequence's ``draft_token_ids`` with a draft model."""
+    """Proposes each speculating sequence's lookahead tokens with a draft model."""
+
+    uses_model = True            # draft passes cost time: the controller models them
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor, backend, block_size: int,
                  device: torch.device, shares_target_kv: bool, seed: int = 0):
@@ -53,40 +57,34 @@ class DraftModelProposer:
         self.shares_target_kv = shares_target_kv
         self.device = device
         self._computed: dict[int, int] = {}          # seq_id -> positions with draft KV (own KV only)
-        self._probs: dict[int, torch.Tensor] = {}    # seq_id -> [n, V] this step (unseeded sampled rows)
         self._generator = torch.Generator(device=device)
         self._generator.manual_seed(seed)
         self.pass_times: list[tuple[int, float]] = []   # (sequences, seconds) of this step's draft passes
 
-    def draft_probs(self, seq_id: int) -> torch.Tensor | None:
-        """The distributions the sequence's drafts were sampled from this step, if any."""
-        return self._probs.get(seq_id)
-
     @torch.inference_mode()
-    def propose(self, plan: StepPlan) -> None:
-        """Run the draft passes for this plan and set ``draft_token_ids``."""
-        self._probs.clear()
+    def propose(self, plan: StepPlan) -> dict[int, Draft]:
+        """Run the draft passes for this plan: a Draft per sequence with lookahead slots
+        (its distributions kept for unseeded sampled rows). With its own KV the draft
+        also mirrors every token the target computes this step."""
         self.pass_times = []
         if not self.shares_target_kv:
             self.runner.copy_blocks(plan.block_copies)
-        speculating = [s for s in plan.scheduled if s.num_draft_slots > 0]
+        speculating = [s for s in plan.scheduled if s.num_lookahead_slots > 0]
         first = [self._catch_up(s) for s in plan.scheduled
-                 if s.num_draft_slots > 0 or not self.shares_target_kv]
+                 if s.num_lookahead_slots > 0 or not self.shares_target_kv]
         if not speculating:
             if first:
                 self._timed_forward(StepPlan(first))   # mirror the target's KV only
-            return
+            return {}
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in speculating}
         probs: dict[int, list[torch.Tensor]] = {s.seq_id: [] for s in speculating}
         self._draw(speculating, self._timed_forward(StepPlan(first)), drafts, probs)
-        for j in range(1, max(s.num_draft_slots for s in speculating)):
-            active = [s for s in speculating if s.num_draft_slots > j]
+        for j in range(1, max(s.num_lookahead_slots for s in speculating)):
+            active = [s for s in speculating if s.num_lookahead_slots > j]
             step = StepPlan([self._draft_step(s, drafts[s.seq_id][-1], j) for s in active])
             self._draw(active, self._timed_forward(step), drafts, probs)
-        for s in speculating:
-            s.draft_token_ids = drafts[s.seq_id]
-            if probs[s.seq_id]:
-                self._probs[s.seq_id] = torch.stack(probs[s.seq_id])
+        return {s.seq_id: Draft(drafts[s.seq_id], torch.stack(probs[s.seq_id]) if probs[s.seq_id] else None)
+                for s in speculating}
 
     @torch.inference_mode()
     def on_step_done(self, plan: StepPlan, accepted_counts: dict[int, int], finished_seq_ids) -> None:
@@ -100,13 +98,13 @@ class DraftModelProposer:
         holes = []
         if not self.shares_target_kv:
             for s in plan.scheduled:
-                if s.draft_token_ids:
+                if s.lookahead_token_ids:
                     end = s.start_position + len(s.token_ids)
-                    written = len(s.draft_token_ids) - 1          # the last draft was never fed back
+                    written = len(s.lookahead_token_ids) - 1          # the last draft was never fed back
                     accepted = accepted_counts.get(s.seq_id, 0)
                     self._computed[s.seq_id] = end + min(accepted, written)
                     if s.seq_id in finished and accepted > written:
-                        holes.append(ScheduledSeq(s.seq_id, [s.draft_token_ids[-1]], end + written, s.block_table,
+                        holes.append(ScheduledSeq(s.seq_id, [s.lookahead_token_ids[-1]], end + written, s.block_table,
                                                   False, s.params, s.prompt_token_ids, s.output_token_ids,
                                                   s.eos_token_ids, s.sibling_index))
         if holes:     # the blocks are free or cached now, and nobody reallocates them before the next step
@@ -116,6 +114,10 @@ class DraftModelProposer:
         """Drop the draft-KV records of sequences that ended or restart from scratch."""
         for seq_id in seq_ids:
             self._computed.pop(seq_id, None)
+
+    def tracked_seq_ids(self) -> set[int]:
+        """Sequences with a draft-KV record (own KV only)."""
+        return set(self._computed)
 
     # ---------------------------------------------------------------- internals
     def _catch_up(self, s: ScheduledSeq) -> ScheduledSeq:
@@ -128,7 +130,7 @@ class DraftModelProposer:
             self._computed[s.seq_id] = end
         tokens = (s.token_ids if start == s.start_position
                   else token_slice(s.prompt_token_ids, s.output_token_ids, start, end))
-        return ScheduledSeq(s.seq_id, list(tokens), start, s.block_table, s.num_draft_slots > 0, s.params,
+        return ScheduledSeq(s.seq_id, list(tokens), start, s.block_table, s.num_lookahead_slots > 0, s.params,
                             s.prompt_token_ids, s.output_token_ids, s.eos_token_ids, s.sibling_index)
 
     @staticmethod
@@ -163,3 +165,32 @@ class DraftModelProposer:
                 token = int((dist[i] / noise).argmax())
             drafts[s.seq_id].append(token)
 
+
+
+def build_self_draft(ctx: ProposerContext) -> DraftModelProposer:
+    """``self:<layers>``: the target's first layers, reading the target's own KV for them."""
+    from kvserve.attention import get_backend
+
+    layers, mc = ctx.spec.draft_layers, ctx.target_config
+    if layers > mc.num_layers:
+        raise InvalidRequestError(f"self:{layers}: the model has {mc.num_layers} layers", param="speculative")
+    backend = get_backend(ctx.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+    return DraftModelProposer(truncated_model(ctx.target_model, layers), ctx.kv_cache[:layers], backend,
+                              ctx.block_size, ctx.device, shares_target_kv=True, seed=ctx.seed)
+
+
+def build_draft_model(ctx: ProposerContext) -> DraftModelProposer:
+    """``draft:<model>``: a second model with its own KV tensor indexed by the target's
+    block ids. Its vocabulary must be the target's (the drafts are target token ids)."""
+    from kvserve.attention import get_backend
+
+    dc = ctx.draft_model.config
+    if dc.vocab_size != ctx.target_config.vocab_size:
+        raise InvalidRequestError(
+            f"the draft model's vocabulary ({dc.vocab_size}) differs from the target's "
+            f"({ctx.target_config.vocab_size}): a draft must share the tokenizer", param="speculative")
+    draft_kv = torch.zeros((dc.num_layers, 2, ctx.num_blocks, ctx.block_size, dc.num_kv_heads, dc.head_dim),
+                           dtype=ctx.dtype, device=ctx.device)
+    backend = get_backend(ctx.attention_backend, dc.num_heads, dc.num_kv_heads, dc.head_dim)
+    return DraftModelProposer(ctx.draft_model, draft_kv, backend, ctx.block_size, ctx.device,
+                              shares_target_kv=False, seed=ctx.seed)

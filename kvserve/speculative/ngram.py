@@ -10,6 +10,8 @@ from __future__ import annotations
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
+from kvserve.speculative.proposer import Draft, ProposerContext
+
 
 def propose_ngram(token_ids: list[int], num_tokens: int, ngram_max: int, ngram_min: int) -> list[int]:
     """Up to ``num_tokens`` ids continuing the longest suffix (``ngram_max`` down to
@@ -31,26 +33,36 @@ def propose_ngram(token_ids: list[int], num_tokens: int, ngram_max: int, ngram_m
 
 
 class NgramProposer:
-    """Fills each speculating sequence's drafts by prompt lookup (no model, no KV)."""
+    """Proposes each speculating sequence's lookahead tokens by prompt lookup (no model, no KV)."""
+
+    uses_model = False           # no draft passes: lookahead costs only verification
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1):
         self.ngram_max = ngram_max
         self.ngram_min = ngram_min
         self.pass_times: list[tuple[int, float]] = []      # no draft model: never any passes
 
-    def propose(self, plan) -> None:
-        """Set ``draft_token_ids`` (at most ``num_draft_slots``) on the plan's speculating sequences."""
+    def propose(self, plan) -> dict[int, Draft]:
+        """A point-mass Draft (at most ``num_lookahead_slots`` tokens, maybe none) per
+        sequence with lookahead slots."""
+        drafts = {}
         for s in plan.scheduled:
-            if s.num_draft_slots > 0:
+            if s.num_lookahead_slots > 0:
                 tokens = list(s.prompt_token_ids) + list(s.output_token_ids)
-                s.draft_token_ids = propose_ngram(tokens, s.num_draft_slots, self.ngram_max, self.ngram_min)
-
-    def draft_probs(self, seq_id: int):
-        """Point-mass proposals: no draft distribution."""
-        return None
+                drafts[s.seq_id] = Draft(propose_ngram(tokens, s.num_lookahead_slots, self.ngram_max,
+                                                       self.ngram_min))
+        return drafts
 
     def on_step_done(self, plan, accepted_counts, finished_seq_ids) -> None:
         """Nothing to roll back: the proposer keeps no per-sequence state."""
 
     def forget(self, seq_ids) -> None:
         """No per-sequence state to drop."""
+
+    def tracked_seq_ids(self) -> set[int]:
+        return set()
+
+
+def build_ngram(ctx: ProposerContext) -> NgramProposer:
+    """The registry's builder for ``ngram``."""
+    return NgramProposer(ctx.spec.ngram_max, ctx.spec.ngram_min)

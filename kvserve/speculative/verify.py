@@ -12,10 +12,9 @@ Unseeded sampled rows with a draft *distribution* use textbook rejection samplin
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from kvserve.engine.lookahead import LookaheadGroup
 from kvserve.engine.step import SampledToken
 from kvserve.sampling.sampler import SamplingRow, process_logits, raw_logprobs, sampling_probs
 from kvserve.speculative.rejection import rejection_sample
@@ -36,67 +35,70 @@ def target_distributions(raw: torch.Tensor, rows: list[SamplingRow]) -> torch.Te
     return probs
 
 
-@dataclass
-class DraftGroup:
-    """One speculating sequence's rows: ``first_row`` is its last real token."""
+class Verifier:
+    """The runner's verifier while speculating: samples every row, then settles each
+    group's lookahead tokens. Draft distributions for this step's unseeded sampled rows
+    come from the speculator (``set_draft_probs``), never through the plan."""
 
-    seq_id: int
-    first_row: int
-    draft_token_ids: list[int]
-    draft_probs: torch.Tensor | None = None     # [n, V] when drafts were sampled from a distribution
+    def __init__(self, sampler, seed: int = 0, device: torch.device | str = "cpu"):
+        self.sampler = sampler
+        self.generator = torch.Generator(device=device)      # rejection-sampling draws
+        self.generator.manual_seed(seed)
+        self._draft_probs: dict[int, torch.Tensor] = {}
 
+    def set_draft_probs(self, probs: dict[int, torch.Tensor]) -> None:
+        """This step's draft distributions ``[n, V]`` by seq id (replacing the last step's)."""
+        self._draft_probs = dict(probs)
 
-def verify(sampler, logits: torch.Tensor, rows: list[SamplingRow], groups: list[DraftGroup],
-           generator: torch.Generator | None = None
-           ) -> tuple[list[SampledToken], dict[int, list[SampledToken]], dict[int, SampledToken]]:
-    """Sample every row, then settle each group's drafts.
-
-    Returns ``(per-row samples, accepted drafts by seq_id, final token by seq_id)``.
-    """
-    out = sampler(logits, rows)
-    samples = [SampledToken(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)]
-    accepted: dict[int, list[SampledToken]] = {}
-    final: dict[int, SampledToken] = {}
-    rejection = [g for g in groups if g.draft_probs is not None and _is_unseeded_sampled(rows[g.first_row])]
-    rejection_ids = {g.seq_id for g in rejection}
-    for g in groups:
-        if g.seq_id in rejection_ids:
-            continue
-        count = 0
-        for j, draft in enumerate(g.draft_token_ids):
-            if samples[g.first_row + j].token_id != draft:
-                break
-            count += 1
-        accepted[g.seq_id] = samples[g.first_row:g.first_row + count]
-        final[g.seq_id] = samples[g.first_row + count]
-    if rejection:
-        _rejection_groups(logits, rows, rejection, generator, accepted, final)
-    return samples, accepted, final
+    def __call__(self, logits: torch.Tensor, rows: list[SamplingRow], groups: list[LookaheadGroup]
+                 ) -> tuple[list[SampledToken], dict[int, list[SampledToken]], dict[int, SampledToken]]:
+        """``(per-row samples, accepted tokens by seq_id, final token by seq_id)``."""
+        out = self.sampler(logits, rows)
+        samples = [SampledToken(t, lp, top) for t, lp, top in zip(out.token_ids, out.logprobs, out.top_logprobs)]
+        accepted: dict[int, list[SampledToken]] = {}
+        final: dict[int, SampledToken] = {}
+        rejection = [g for g in groups
+                     if self._draft_probs.get(g.seq_id) is not None and _is_unseeded_sampled(rows[g.first_row])]
+        rejection_ids = {g.seq_id for g in rejection}
+        for g in groups:
+            if g.seq_id in rejection_ids:
+                continue
+            count = 0
+            for j, draft in enumerate(g.token_ids):
+                if samples[g.first_row + j].token_id != draft:
+                    break
+                count += 1
+            accepted[g.seq_id] = samples[g.first_row:g.first_row + count]
+            final[g.seq_id] = samples[g.first_row + count]
+        if rejection:
+            probs = [self._draft_probs[g.seq_id] for g in rejection]
+            _rejection_groups(logits, rows, rejection, probs, self.generator, accepted, final)
+        return samples, accepted, final
 
 
 def _is_unseeded_sampled(row: SamplingRow) -> bool:
     return not row.params.is_greedy and row.params.seed is None
 
 
-def _rejection_groups(logits, rows, groups, generator, accepted, final) -> None:
+def _rejection_groups(logits, rows, groups, draft_probs, generator, accepted, final) -> None:
     """Textbook rejection sampling for groups whose drafts came from a distribution."""
-    k_max = max(len(g.draft_token_ids) for g in groups)
+    k_max = max(len(g.token_ids) for g in groups)
     vocab = logits.shape[1]
     device = logits.device
     target = torch.zeros(len(groups), k_max + 1, vocab, device=device)
     draft = torch.zeros(len(groups), k_max, vocab, device=device)
     tokens = torch.zeros(len(groups), k_max, dtype=torch.long, device=device)
-    for b, g in enumerate(groups):
-        n = len(g.draft_token_ids)
+    for b, (g, probs) in enumerate(zip(groups, draft_probs)):
+        n = len(g.token_ids)
         span = list(range(g.first_row, g.first_row + n + 1))
         target[b, :n + 1] = target_distributions(logits[span], [rows[i] for i in span])
-        draft[b, :n] = g.draft_probs[:n]
-        tokens[b, :n] = torch.tensor(g.draft_token_ids, dtype=torch.long, device=device)
-    num_drafts = torch.tensor([len(g.draft_token_ids) for g in groups], dtype=torch.long, device=device)
+        draft[b, :n] = probs[:n]
+        tokens[b, :n] = torch.tensor(g.token_ids, dtype=torch.long, device=device)
+    num_drafts = torch.tensor([len(g.token_ids) for g in groups], dtype=torch.long, device=device)
     num_accepted, final_tokens = rejection_sample(target, draft, tokens, num_drafts, generator)
     for b, g in enumerate(groups):
         a = int(num_accepted[b])
-        chosen = g.draft_token_ids[:a] + [int(final_tokens[b])]
+        chosen = g.token_ids[:a] + [int(final_tokens[b])]
         span = list(range(g.first_row, g.first_row + a + 1))
         lps, tops = raw_logprobs(logits[span].float(), [rows[i] for i in span],
                                  torch.tensor(chosen, dtype=torch.long, device=device))

@@ -79,10 +79,10 @@ def test_preemption_with_cache_identical(model_path, shared_prompts, cache_off):
                 max_num_batched_tokens=128)
     outputs = small.generate([{"prompt_token_ids": p} for p in shared_prompts], GREEDY)
     stats = small.engine.stats()
-    print(f"preemptions {stats['num_preemptions']}, evicted blocks {stats['prefix_cache_evicted_blocks']}, "
-          f"hit rate {stats['prefix_cache_hit_rate']:.2f}")
-    assert stats["num_preemptions"] >= 3 and stats["prefix_cache_evicted_blocks"] > 0
-    assert stats["prefix_cache_hit_tokens"] > 0
+    print(f"preemptions {stats.num_preemptions}, evicted blocks {stats.prefix_cache_evicted_blocks}, "
+          f"hit rate {stats.prefix_cache_hit_rate:.2f}")
+    assert stats.num_preemptions >= 3 and stats.prefix_cache_evicted_blocks > 0
+    assert stats.prefix_cache_hit_tokens > 0
     _compare(cache_off, outputs)
     _check_idle(small.engine)
 
@@ -126,7 +126,7 @@ def test_live_turn_survives_pressure_and_hits(model_path, source_ids):
     traffic = [{"prompt_token_ids": source_ids[6000 + 300 * i:6000 + 300 * i + 90]} for i in range(7)]
     small.generate(traffic, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     stats = small.engine.stats()
-    assert stats["prefix_cache_evicted_blocks"] > 0, "the traffic was meant to need eviction"
+    assert stats.prefix_cache_evicted_blocks > 0, "the traffic was meant to need eviction"
     assert live_blocks <= small.engine.prefix_cache.cached_block_ids()
     turn2 = turn1 + [{"role": "assistant", "content": first.outputs[0].text},
                      {"role": "user", "content": "Now in one sentence."}]
@@ -147,7 +147,7 @@ def test_switched_off(model_path, shared_prompts, cache_off):
     outputs = off.generate(inputs, GREEDY) + off.generate(inputs, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in outputs)
     stats = off.engine.stats()
-    assert stats["prefix_cache_enabled"] == 0 and stats["prefix_cache_queries"] == 0
+    assert not stats.prefix_cache_enabled and stats.prefix_cache_queries == 0
     assert off.reset_prefix_cache() == 0 and off.engine.drain_cache_events() == []
     _compare(cache_off[:4] * 2, outputs)
     _check_idle(off.engine)

@@ -22,7 +22,8 @@ import itertools
 import pytest
 
 from kvserve import LLM
-from kvserve.engine.engine_core import kv_bytes_per_token
+from kvserve.builder import kv_bytes_per_token
+from kvserve.engine.request import EngineRequest
 from kvserve.loader.api import default_model_path
 from kvserve.sampling.params import SamplingParams
 from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
@@ -105,16 +106,8 @@ def spec_llm(request, llm):
 def force_speculation(llm: LLM, on: bool = True) -> None:
     """Make every eligible sequence speculate at full k in every step, whatever the cost
     model says (a draft as large as the target never pays on CPU, so the controller
-    would rightly switch it off). The controller still plans, for its counters."""
-    controller = llm.engine.spec_controller
-    if not on:
-        controller.__dict__.pop("plan", None)
-        return
-
-    def plan(candidates, base_tokens):
-        type(controller).plan(controller, candidates, base_tokens)
-        return {sid: min(limit, controller.k_max) for sid, limit in candidates if limit > 0}
-    controller.plan = plan
+    would rightly switch it off): the controller's fixed-k mode."""
+    llm.engine.speculator.controller.adaptive = not on
 
 
 def generate_mixed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams],
@@ -124,9 +117,8 @@ def generate_mixed(llm: LLM, prompts: list[list[int]], params: list[SamplingPara
     order = []
     for prompt, sp, on in zip(prompts, params, speculate, strict=True):
         request_id = f"spec-{next(_request_ids)}"
-        llm.engine.add_request(request_id, prompt, sp, llm.tokenizer.eos_token_ids,
-                               num_speculative_tokens=None if on else 0)
-        llm.processor.add_request(request_id, None, prompt, sp)
+        llm.add_request(EngineRequest(request_id, prompt, sp, frozenset(llm.tokenizer.eos_token_ids),
+                                      num_speculative_tokens=None if on else 0))
         order.append(request_id)
     done = {}
     while llm.engine.has_unfinished():
@@ -259,8 +251,8 @@ def test_generate_kwarg_and_spec_stats(spec_llm, spec_prompts):
     assert on.num_draft_tokens > 0 and on.draft_acceptance_rate is not None
     stats = spec_llm.spec_stats()
     assert stats["num_proposed"] == before + on.num_draft_tokens
-    flat = spec_llm.engine.stats()
-    assert flat["spec_enabled"] == 1 and flat["spec_num_proposed"] == stats["num_proposed"]
+    flat = spec_llm.engine.stats().speculation
+    assert flat.enabled and flat.num_proposed == stats["num_proposed"]
 
 
 def test_real_controller_keeps_ngram_on_for_a_lone_copying_request(spec_prompts, reference):
@@ -368,7 +360,7 @@ def test_draft_kv_mirrors_target_kv_in_cached_blocks():
     out = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))[0]
     assert (out.num_draft_tokens, out.num_accepted_draft_tokens) == (4, 4)
     target_kv = engine.engine.runner.kv_cache
-    draft_kv = engine.engine.proposer.runner.kv_cache
+    draft_kv = engine.engine.speculator.proposer.runner.kv_cache
     cached = sorted(engine.engine.prefix_cache.cached_block_ids())
     assert cached
     for block in cached:
@@ -379,7 +371,8 @@ def test_draft_kv_mirrors_target_kv_in_cached_blocks():
 
 def _spec_state_keys(llm: LLM) -> set[int]:
     """Sequence ids the controller or the proposer still keeps state for."""
-    return set(llm.engine.spec_controller._seqs) | set(getattr(llm.engine.proposer, "_computed", {}))
+    speculator = llm.engine.speculator
+    return speculator.controller.tracked_seq_ids() | speculator.proposer.tracked_seq_ids()
 
 
 def test_abort_mid_generation_keeps_integrity_and_forgets_state(spec_llm, spec_prompts):

@@ -7,7 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from kvserve.engine.admission import EngineLimits
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.request import EngineRequest
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling import (MAX_LOGIT_BIAS, Sampler, SamplingParams, apply_logit_bias,
                               process_logits)
@@ -167,19 +169,21 @@ def test_valid_logit_bias_and_clone():
 
 
 def _fake_engine(vocab: int) -> SimpleNamespace:
-    return SimpleNamespace(model_config=SimpleNamespace(vocab_size=vocab), max_model_len=1000,
-                           config=SimpleNamespace(block_size=16), block_pool=SimpleNamespace(num_blocks=100),
-                           kv_plan=SimpleNamespace(max_tokens=1600))
+    return SimpleNamespace(limits=EngineLimits(max_model_len=1000, vocab_size=vocab, block_size=16, num_blocks=100,
+                                               kv_max_tokens=1600))
 
 
 def test_engine_checks_the_vocabulary_bound():
     engine = _fake_engine(100)
-    EngineCore.validate_request(engine, [1, 2], SamplingParams(logit_bias={99: 1.0}))
+
+    def validate(params):
+        EngineCore.validate_request(engine, EngineRequest("r", [1, 2], params))
+    validate(SamplingParams(logit_bias={99: 1.0}))
     with pytest.raises(InvalidRequestError) as info:
-        EngineCore.validate_request(engine, [1, 2], SamplingParams(logit_bias={3: 1.0, 100: 1.0}))
+        validate(SamplingParams(logit_bias={3: 1.0, 100: 1.0}))
     assert info.value.param == "logit_bias"
     with pytest.raises(InvalidRequestError) as info:                  # validate() runs first
-        EngineCore.validate_request(engine, [1, 2], SamplingParams(logit_bias={3: 101.0}))
+        validate(SamplingParams(logit_bias={3: 101.0}))
     assert info.value.param == "logit_bias"
 
 
@@ -220,7 +224,7 @@ def test_http_process_checks_the_vocabulary_before_submitting():
 
 def test_codec_round_trips_int_keys():
     params = SamplingParams(max_tokens=3, logit_bias={50256: 100.0, 0: -100.0, 7: 0.5})
-    message = codec.AddRequest("r", [1, 2], params, [2])
+    message = EngineRequest("r", [1, 2], params, frozenset([2]))
     (decoded,) = codec.FrameBuffer().feed(codec.encode(message))
     assert decoded == message and decoded.params.logit_bias == {50256: 100.0, 0: -100.0, 7: 0.5}
     assert all(type(k) is int for k in decoded.params.logit_bias)

@@ -151,8 +151,9 @@ def test_plots_are_written(tmp_path, capsys):
 
 def test_scheduler_replay_matches_the_engine_scheduler():
     from kvserve.engine.kv.block_pool import BlockPool
+    from kvserve.engine.kv.manager import KVCacheManager
+    from kvserve.engine.request import EngineRequest
     from kvserve.engine.scheduler import Scheduler, SchedulerConfig
-    from kvserve.engine.sequence import Sequence
     from kvserve.engine.step import SampledToken, StepResult
     from kvserve.planner.simulate import SchedulerLimits, schedule_offline
     from kvserve.sampling.params import SamplingParams
@@ -160,10 +161,10 @@ def test_scheduler_replay_matches_the_engine_scheduler():
     rng = random.Random(3)
     requests = [(rng.randint(1, 300), rng.randint(1, 40)) for _ in range(40)]
     limits = SchedulerLimits(max_num_seqs=16, max_num_batched_tokens=256)
-    sched = Scheduler(SchedulerConfig(16, 256), BlockPool(100_000, 16))
+    sched = Scheduler(SchedulerConfig(16, 256), KVCacheManager(BlockPool(100_000, 16)))
     for i, (p, o) in enumerate(requests):
         params = SamplingParams(max_tokens=o, temperature=0, ignore_eos=True)
-        sched.add_sequence(Sequence(i, str(i), 0, [5] * p, params, o, frozenset([0]), 0, i))
+        sched.add_request(EngineRequest(str(i), list(range(1, p + 1)), params, eos_token_ids=frozenset([0])))
     real = []
     while sched.has_unfinished():
         plan = sched.schedule()

@@ -31,10 +31,11 @@ def test_use_prefix_cache_field():
 
 
 def test_codec_round_trips_the_prefix_cache_messages():
+    from kvserve.engine.request import EngineRequest
     from kvserve.engine.step import SeqUpdate
     from kvserve.sampling.params import SamplingParams
-    messages = [codec.AddRequest("r", [1, 2], SamplingParams(max_tokens=2), [0], 0, "alice",
-                                 cache_salt="tenant:alice", use_prefix_cache=False),
+    messages = [EngineRequest("r", [1, 2], SamplingParams(max_tokens=2), frozenset([0]), 0, "alice",
+                              cache_salt="tenant:alice", use_prefix_cache=False),
                 codec.ResetPrefixCache(), codec.PrefixCacheReset(7),
                 codec.StepOutputs([SeqUpdate(1, "r", 0, [5], [], None, 32)])]
     frames = codec.FrameBuffer()

@@ -3,58 +3,36 @@
 Block size 4, a fake clock, exact block ids. The pool's free list is FIFO: blocks
 0, 1, 2, ... are handed out first and freed blocks go to its end.
 """
-import itertools
-
 import pytest
 
-from kvserve.engine.kv.block_pool import BlockPool
-from kvserve.engine.kv.prefix_cache import PrefixCache
 from kvserve.engine.kv.cache_events import CacheNamespace
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
-from kvserve.engine.sequence import Sequence
-from kvserve.engine.step import SampledToken, StepResult
-from kvserve.sampling.params import SamplingParams
+from tests.support.scheduler_harness import SchedulerHarness
 
 NS = CacheNamespace()
 
 
-class Clock:
-    now = 0.0
+class Harness(SchedulerHarness):
+    """The shared harness with a prefix cache; ``namespace`` None opts a request out, and
+    its adapter and salt become the request's (the weight epoch stays 0)."""
 
-    def __call__(self):
-        return self.now
-
-
-class Harness:
     def __init__(self, num_blocks=16, budget=64, grace_s=0.0, max_num_seqs=8):
-        self.pool = BlockPool(num_blocks, 4)
-        self.clock = Clock()
-        self.cache = PrefixCache(self.pool, clock=self.clock)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, grace_s), self.pool, self.cache)
-        self.ids = itertools.count()
-        self.arrivals = itertools.count()
-        self.updates = []
+        super().__init__(num_blocks, 4, max_num_seqs, budget, grace_s, prefix_cache=True)
 
     def add(self, request_id, prompt, max_tokens=1, n=1, namespace=NS, priority=0, grace_s=None):
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0, ignore_eos=True)
-        arrival = next(self.arrivals)
-
-        def make(i):
-            return Sequence(next(self.ids), request_id, i, list(prompt), params, max_tokens, frozenset([0]),
-                            priority, arrival, cache_namespace=namespace, cache_grace_s=grace_s)
-        leader = make(0)
-        leader.pending_fork = [make(i) for i in range(1, n)]
-        self.sched.add_sequence(leader)
-        return leader
+        request_kw = {"prefix_cache_grace_s": grace_s}
+        if namespace is None:
+            request_kw["use_prefix_cache"] = False
+        else:
+            request_kw.update(adapter_id=namespace.adapter_id, cache_salt=namespace.cache_salt)
+        return super().add(request_id, list(prompt), max_tokens, n, priority, request_kw, ignore_eos=True)
 
     def step(self, token=7):
         plan = self.sched.schedule()
         for s in plan.scheduled:         # a write never lands in a block the cache holds
             assert not any(self.pool.is_cached(s.block_table[p // 4])
                            for p in range(s.start_position, s.context_len))
-        result = StepResult({s.seq_id: SampledToken(token) for s in plan.scheduled if s.sample})
-        self.updates += self.sched.update(plan, result)
-        self.sched.check_integrity()
+        self.record(self.sched.update(plan, self.result(plan, token)))
+        self.check()
         return plan
 
     def run(self, max_steps=200):
@@ -64,9 +42,6 @@ class Harness:
                 return plans
             plans.append(self.step())
         raise AssertionError("did not finish")
-
-    def cached_tokens(self, request_id):
-        return {u.num_cached_tokens for u in self.updates if u.request_id == request_id}
 
 
 def span(first, last):
@@ -210,7 +185,7 @@ def test_opt_out_namespaces_and_abort():
     h.sched.check_integrity()
     assert h.pool.num_used_blocks == 0
     assert h.pool.num_cached_only_blocks == 9                # t1, t2, lora: 3 blocks each
-    assert h.sched.reset_prefix_cache() == 9 and h.sched.reset_prefix_cache() == 0
+    assert h.kv.reset_prefix_cache() == 9 and h.kv.reset_prefix_cache() == 0
     assert h.pool.num_free_blocks == 16
 
 
@@ -237,7 +212,7 @@ def test_random_traffic_keeps_every_invariant(seed):
             h.step(token=rng.randrange(1, 60))
     h.run()
     assert h.pool.num_used_blocks == 0
-    h.sched.reset_prefix_cache()
+    h.kv.reset_prefix_cache()
     assert h.pool.num_free_blocks == h.pool.num_blocks
 
 

@@ -1,63 +1,16 @@
 """Tier 1: the scheduler driven by hand-built step results (no model, no torch)."""
-import itertools
-
 import pytest
 
-from kvserve.engine.kv.block_pool import BlockPool
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
-from kvserve.engine.sequence import FinishReason, Sequence
+from kvserve.engine.sequence import FinishReason
 from kvserve.engine.step import SampledToken, StepResult
-from kvserve.sampling.params import SamplingParams
-
-EOS = 0
+from tests.support.scheduler_harness import EOS, SchedulerHarness
 
 
-class Harness:
-    """A scheduler plus a fake runner that samples a scripted token per sequence."""
-
-    def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=32):
-        self.pool = BlockPool(num_blocks, block_size)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.pool)
-        self.ids = itertools.count()
-        self.arrivals = itertools.count()
-        self.plans = []
-        self.finished = {}
+class Harness(SchedulerHarness):
+    """The shared harness with requests sized by prompt length."""
 
     def add(self, request_id, prompt_len, max_tokens=8, n=1, priority=0, **kw):
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0, **kw)
-        arrival = next(self.arrivals)
-
-        def make(i):
-            return Sequence(next(self.ids), request_id, i, list(range(1, prompt_len + 1)), params,
-                            max_tokens, frozenset([EOS]), priority, arrival)
-        leader = make(0)
-        leader.pending_fork = [make(i) for i in range(1, n)]
-        self.sched.add_sequence(leader)
-        return leader
-
-    def step(self, token=7):
-        plan = self.sched.schedule()
-        self.plans.append(plan)
-        assert plan.num_tokens <= self.sched.config.max_num_batched_tokens
-        for s in plan.scheduled:      # every write lands in a block the sequence holds
-            assert len(s.block_table) * self.pool.block_size >= s.context_len
-        result = StepResult({s.seq_id: SampledToken(token) for s in plan.scheduled if s.sample})
-        updates = self.sched.update(plan, result)
-        for u in updates:
-            if u.finish_reason:
-                self.finished[(u.request_id, u.sibling_index)] = u.finish_reason
-        self.check()
-        return plan, updates
-
-    def check(self):
-        self.sched.check_integrity()
-
-    def run(self, max_steps=500):
-        for _ in range(max_steps):
-            if not self.sched.has_unfinished():
-                return
-            self.step()
-        raise AssertionError("did not finish")
+        return super().add(request_id, prompt_len, max_tokens, n, priority, **kw)
 
 
 def test_finish_frees_everything():

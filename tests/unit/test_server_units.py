@@ -12,6 +12,8 @@ from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import SamplingParams
 from kvserve.ipc import codec
 from kvserve.server import protocol
+from kvserve.engine.request import EngineRequest
+from kvserve.engine.stats import EngineStats, SpeculationCounters
 from kvserve.server.auth import load_keys, match_key
 from kvserve.server.metrics import ServerMetrics, parse_metrics
 
@@ -23,14 +25,18 @@ def test_codec_round_trips_every_message():
     messages = [
         codec.InitEngine({"model": None, "max_num_seqs": 4}),
         codec.EngineReady(100, 49152, 10, 16, 160, [2], "explained", 123),
-        codec.AddRequest("r1", [1, 2, 3], params, [2], 1, "tenant-a"),
+        EngineRequest("r1", [1, 2, 3], params, frozenset([2]), 1, "tenant-a", cache_salt="tenant:tenant-a",
+                      adapter_id="lora-1", use_prefix_cache=False, prefix_cache_grace_s=2.5,
+                      num_speculative_tokens=3),
+        EngineRequest("r2", [4], SamplingParams()),
         codec.AbortRequests(["r1", "r2"]),
         codec.StopSequences([4, 5]),
         codec.Shutdown(),
-        codec.EngineStats({"kv_blocks_used": 3}),
+        codec.EngineStatsUpdate(EngineStats(kv_blocks_used=3, speculation=SpeculationCounters(
+            True, 5, 3, 2, 1, 0, [2, 1]))),
         codec.StepOutputs([SeqUpdate(1, "r1", 0, [42], [SampledToken(42, -0.5, [(42, -0.5), (7, -1.0)])], None),
                            SeqUpdate(2, "r1", 1, [9], [SampledToken(9, -math.inf, [])], "length", 32)],
-                          ["r1"], {"num_steps": 1}),
+                          ["r1"], EngineStats(num_steps=1)),
         codec.RequestError("r3", 400, {"error": {"message": "m", "type": "t", "param": None, "code": "c"}}),
     ]
     buffer = codec.FrameBuffer()
@@ -132,7 +138,7 @@ def test_metrics_render_in_prometheus_format():
     m.ttft.observe(0.05)
     m.ttft.observe(100.0)
     m.finished.inc(finish_reason="stop")
-    m.update_engine({"kv_blocks_used": 3, "kv_blocks_total": 10, "num_preemptions": 2})
+    m.update_engine(EngineStats(kv_blocks_used=3, kv_blocks_total=10, num_preemptions=2))
     samples = parse_metrics(m.render())
     assert samples['kvserve_time_to_first_token_seconds_bucket{le="0.06"}'] == 1
     assert samples['kvserve_time_to_first_token_seconds_bucket{le="+Inf"}'] == 2

@@ -4,20 +4,16 @@ and given back, integrity under rejections / aborts / preemption / the prefix ca
 ``max_tokens``, the context and stop tokens."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 
-from kvserve.engine.kv.block_pool import BlockPool
-from kvserve.engine.kv.prefix_cache import PrefixCache
-from kvserve.engine.kv.cache_events import CacheNamespace
-from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from kvserve.engine.step import SampledToken, StepPlan, StepResult
-from kvserve.sampling.params import SamplingParams
+from kvserve.speculative.proposer import Draft
+from kvserve.speculative.speculator import Speculator
+from tests.support.scheduler_harness import EOS, SchedulerHarness
 
-EOS = 0
 
 class GrantK:
     """A controller that always grants ``k`` drafts (within each sequence's limit)."""
@@ -31,8 +27,26 @@ class GrantK:
         return {sid: min(limit, self.k) for sid, limit in candidates if self.k > 0}
 
 
-class SpecHarness:
-    """A scheduler with a fake controller, a scripted proposer and a scripted verifier.
+class ScriptedProposer:
+    """Drafts from ``script(item) -> tokens`` (default: one 7 per slot)."""
+
+    uses_model = False
+    pass_times: list = []
+    script = None
+
+    def propose(self, plan):
+        return {s.seq_id: Draft(list(self.script(s) if self.script else [7] * s.num_lookahead_slots))
+                for s in plan.scheduled if s.num_lookahead_slots > 0}
+
+
+class NoProbs:
+    def set_draft_probs(self, probs):
+        assert not probs
+
+
+class SpecHarness(SchedulerHarness):
+    """The shared harness plus the real Speculator with a fake controller, a scripted
+    proposer and a scripted verifier.
 
     ``propose(item) -> drafts`` (default: one 7 per slot) and ``accept(item) -> count``
     (default: all) decide each speculating sequence's step; the final token is 7.
@@ -42,47 +56,30 @@ class SpecHarness:
 
     def __init__(self, num_blocks=64, block_size=4, max_num_seqs=8, budget=64, k=4, max_model_len=None,
                  prefix_cache=False):
-        self.pool = BlockPool(num_blocks, block_size)
-        self.cache = PrefixCache(self.pool) if prefix_cache else None
+        super().__init__(num_blocks, block_size, max_num_seqs, budget, prefix_cache=prefix_cache,
+                         max_model_len=max_model_len)
         self.controller = GrantK(k)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget), self.pool, self.cache, self.controller,
-                               max_model_len)
-        self.ids = itertools.count()
-        self.arrivals = itertools.count()
-        self.seqs: list[Sequence] = []
-        self.plans: list[StepPlan] = []
-        self.updates = []
-        self.finished: dict[tuple[str, int], str] = {}
+        self.proposer = ScriptedProposer()
+        self.speculator = Speculator(self.proposer, self.controller, NoProbs())
 
     def add(self, request_id, prompt_len=8, max_tokens=8, n=1, num_speculative_tokens=None, prompt=None, **kw):
         kw.setdefault("ignore_eos", False)
-        params = SamplingParams(n=n, max_tokens=max_tokens, temperature=0, **kw)
-        arrival = next(self.arrivals)
-        tokens = list(prompt) if prompt is not None else list(range(1, prompt_len + 1))
-
-        def make(i):
-            return Sequence(next(self.ids), request_id, i, list(tokens), params, max_tokens, frozenset([EOS]),
-                            0, arrival, cache_namespace=CacheNamespace() if self.cache else None,
-                            num_speculative_tokens=num_speculative_tokens)
-        leader = make(0)
-        leader.pending_fork = [make(i) for i in range(1, n)]
-        self.seqs += [leader] + leader.pending_fork
-        self.sched.add_sequence(leader)
-        return leader
+        tokens = list(prompt) if prompt is not None else prompt_len
+        return super().add(request_id, tokens, max_tokens, n, request_kw={
+            "num_speculative_tokens": num_speculative_tokens}, **kw)
 
     def schedule(self, propose=None) -> StepPlan:
         plan = self.sched.schedule()
+        self.proposer.script = propose
+        self.speculator.extend(plan, self.sched)
         bs = self.pool.block_size
         for s in plan.scheduled:
-            if s.num_draft_slots:
+            if s.num_lookahead_slots:
                 assert s.sample and s.num_tokens == 1, "drafts only for decoding sequences"
             # the real token and every draft slot land in blocks the sequence holds
-            assert len(s.block_table) * bs >= s.context_len + s.num_draft_slots
-            seq = self.sched._seqs[s.seq_id]
-            assert s.block_table == seq.block_table
-            drafts = propose(s) if propose else [7] * s.num_draft_slots
-            assert len(drafts) <= s.num_draft_slots
-            s.draft_token_ids = list(drafts)
+            assert len(s.block_table) * bs >= s.context_len + s.num_lookahead_slots
+            assert s.block_table == self.seq(s.seq_id).block_table
+            assert len(s.lookahead_token_ids) <= s.num_lookahead_slots
         assert plan.num_tokens <= self.sched.config.max_num_batched_tokens
         self.plans.append(plan)
         return plan
@@ -92,18 +89,16 @@ class SpecHarness:
         for s in plan.scheduled:
             if not s.sample:
                 continue
-            count = accept(s) if accept else len(s.draft_token_ids)
-            assert 0 <= count <= len(s.draft_token_ids)
-            if s.draft_token_ids:
-                accepted[s.seq_id] = [SampledToken(t) for t in s.draft_token_ids[:count]]
+            count = accept(s) if accept else len(s.lookahead_token_ids)
+            assert 0 <= count <= len(s.lookahead_token_ids)
+            if s.lookahead_token_ids:
+                accepted[s.seq_id] = [SampledToken(t) for t in s.lookahead_token_ids[:count]]
             sampled[s.seq_id] = SampledToken(final(s) if callable(final) else final)
         updates = self.sched.update(plan, StepResult(sampled, accepted))
-        self.updates += updates
+        self.record(updates)
         for u in updates:
             assert u.num_draft_accepted <= u.num_draft_proposed
             assert len(u.new_token_ids) <= u.num_draft_accepted + 1
-            if u.finish_reason:
-                self.finished[(u.request_id, u.sibling_index)] = u.finish_reason
         self.check()
         return updates
 
@@ -134,7 +129,7 @@ class SpecHarness:
 def _decode_ready(h: SpecHarness, **add_kw) -> Sequence:
     seq = h.add("a", **add_kw)
     plan = h.schedule()
-    assert plan.scheduled[0].num_draft_slots == 0            # a prefill chunk never speculates
+    assert plan.scheduled[0].num_lookahead_slots == 0            # a prefill chunk never speculates
     h.finish_step(plan)
     return seq
 
@@ -146,7 +141,7 @@ def test_draft_slots_reserved_with_blocks_then_released_on_rejection():
     plan = h.schedule()
     item = plan.scheduled[0]
     # the real token at position 4 and drafts at 5..8: 9 positions, 3 blocks
-    assert item.num_draft_slots == 4 and item.start_position == 4
+    assert item.num_lookahead_slots == 4 and item.start_position == 4
     assert len(seq.block_table) == 3 and h.pool.num_used_blocks == 3
     h.finish_step(plan, accept=lambda s: 0)                  # every draft rejected
     assert seq.output_token_ids == [7, 7]
@@ -184,7 +179,7 @@ def test_per_sequence_num_speculative_tokens():
     default = h.add("default", max_tokens=10)
     h.step()
     plan = h.schedule()
-    slots = {s.seq_id: s.num_draft_slots for s in plan.scheduled}
+    slots = {s.seq_id: s.num_lookahead_slots for s in plan.scheduled}
     assert slots == {off.seq_id: 0, two.seq_id: 2, default.seq_id: 4}
     candidates = dict(h.controller.calls[-1][0])
     assert off.seq_id not in candidates and candidates[two.seq_id] == 2
@@ -199,8 +194,8 @@ def test_max_tokens_never_exceeded_by_accepted_drafts():
     while h.sched.has_unfinished():
         plan = h.schedule()
         for s in plan.scheduled:
-            seq = h.sched._seqs[s.seq_id]
-            assert len(seq.output_token_ids) + s.num_draft_slots + 1 <= seq.max_tokens or not s.sample
+            seq = h.seq(s.seq_id)
+            assert len(seq.output_token_ids) + s.num_lookahead_slots + 1 <= seq.max_tokens or not s.sample
         h.finish_step(plan)                                  # everything accepted
     assert [len(s.output_token_ids) for s in seqs] == [1, 2, 3, 6, 13]
     assert all(s.finish_reason is FinishReason.LENGTH for s in seqs)
@@ -213,7 +208,7 @@ def test_drafts_never_run_past_the_context():
     while h.sched.has_unfinished():
         plan = h.schedule()
         for s in plan.scheduled:
-            assert s.context_len + s.num_draft_slots <= 12
+            assert s.context_len + s.num_lookahead_slots <= 12
         h.finish_step(plan)
     assert seq.num_tokens == 12
 
@@ -249,7 +244,7 @@ def test_abort_mid_speculation_frees_draft_blocks():
     b = h.add("b", prompt_len=4, max_tokens=20)
     h.step()
     plan = h.schedule()
-    assert all(s.num_draft_slots == 4 for s in plan.scheduled)
+    assert all(s.num_lookahead_slots == 4 for s in plan.scheduled)
     h.sched.abort_request("a")                               # between schedule and update
     h.check(mid_step=True)
     h.finish_step(plan, accept=lambda s: 1)
@@ -279,7 +274,7 @@ def test_drafts_never_preempt_anyone():
     h.step()
     plan = h.schedule()
     assert not plan.preempted_seq_ids
-    slots = {s.seq_id: s.num_draft_slots for s in plan.scheduled}
+    slots = {s.seq_id: s.num_lookahead_slots for s in plan.scheduled}
     # a: the real token at 6, drafts up to the end of its blocks plus the free one (positions 7..11)
     assert slots[a.seq_id] == 5
     assert slots[b.seq_id] == 1                              # b: only its own block's slack is left
@@ -295,7 +290,7 @@ def test_draft_slots_capped_by_the_leftover_token_budget():
     h.add("b", prompt_len=4, max_tokens=30)
     h.step()                                                 # prefills: 8 of 10 tokens
     plan = h.schedule()
-    assert sum(s.num_tokens + s.num_draft_slots for s in plan.scheduled) == 10
+    assert sum(s.num_tokens + s.num_lookahead_slots for s in plan.scheduled) == 10
     h.finish_step(plan)
 
 
@@ -318,7 +313,7 @@ def test_bursts_of_rejections_aborts_and_preemptions_keep_integrity(prefix_cache
         if not h.sched.has_unfinished():
             break
         plan = h.schedule(propose=lambda s: [rng.choice([1, 2, 3, EOS if rng.random() < 0.05 else 4])
-                                             for _ in range(rng.randrange(0, s.num_draft_slots + 1))])
+                                             for _ in range(rng.randrange(0, s.num_lookahead_slots + 1))])
         if step % 7 == 3:                                    # an abort between schedule and update
             live = [rid for rid, seq in requests.items() if not seq.is_finished and rid not in aborted]
             if live:
@@ -326,8 +321,8 @@ def test_bursts_of_rejections_aborts_and_preemptions_keep_integrity(prefix_cache
                 aborted.add(victim)
                 h.sched.abort_request(victim)
                 h.check(mid_step=True)
-        h.finish_step(plan, accept=lambda s: rng.choice([0, 0, len(s.draft_token_ids),
-                                                         rng.randrange(len(s.draft_token_ids) + 1)]),
+        h.finish_step(plan, accept=lambda s: rng.choice([0, 0, len(s.lookahead_token_ids),
+                                                         rng.randrange(len(s.lookahead_token_ids) + 1)]),
                       final=lambda s: EOS if rng.random() < 0.03 else rng.randrange(1, 6))
     else:
         raise AssertionError("did not finish")

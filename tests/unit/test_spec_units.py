@@ -13,11 +13,10 @@ import random
 
 import pytest
 
-from kvserve.engine.engine_core import _spec_config
 from kvserve.engine.step import ScheduledSeq, StepPlan
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import SamplingParams
-from kvserve.speculative.config import SpeculativeConfig
+from kvserve.speculative.config import SpeculativeConfig, speculative_config
 from kvserve.speculative.controller import (PRIOR_ALPHA, PROBE_EVERY, LinearTimeModel, SpecController, SpecStats,
                                      expected_tokens)
 from kvserve.speculative.ngram import NgramProposer, propose_ngram
@@ -95,7 +94,8 @@ def test_ngram_matches_a_brute_force_reference():
 
 def _scheduled(seq_id, prompt, output, slots):
     return ScheduledSeq(seq_id, [(prompt + output)[-1]], len(prompt) + len(output) - 1, [0, 1, 2, 3], True,
-                        SamplingParams(temperature=0), prompt, output, frozenset([EOS]), 0, num_draft_slots=slots)
+                        SamplingParams(temperature=0), prompt, output, frozenset([EOS]), 0,
+                        num_lookahead_slots=slots)
 
 
 def test_ngram_proposer_fills_only_speculating_sequences_within_their_slots():
@@ -103,9 +103,10 @@ def test_ngram_proposer_fills_only_speculating_sequences_within_their_slots():
                      _scheduled(1, [1, 2, 3, 4, 5, 1, 2], [], 0),
                      _scheduled(2, [1, 2, 3], [9, 1, 2], 8),
                      _scheduled(3, [1, 2, 3], [4], 3)])
-    NgramProposer(ngram_max=3, ngram_min=1).propose(plan)
-    assert [s.draft_token_ids for s in plan.scheduled] == [[3, 4], [], [3, 9, 1, 2], []]
-    assert NgramProposer().draft_probs(0) is None
+    drafts = NgramProposer(ngram_max=3, ngram_min=1).propose(plan)
+    assert [drafts[s.seq_id].token_ids if s.seq_id in drafts else [] for s in plan.scheduled] == \
+        [[3, 4], [], [3, 9, 1, 2], []]
+    assert all(d.probs is None for d in drafts.values())          # point masses: no draft distribution
 
 
 # =========================================================================== controller
@@ -327,10 +328,10 @@ def test_speculative_config_validation(kwargs, param):
 
 
 def test_engine_config_spellings():
-    assert _spec_config(None) is None and _spec_config("") is None
-    assert _spec_config("self:4") == SpeculativeConfig(method="self", draft_layers=4)
+    assert speculative_config(None) is None and speculative_config("") is None
+    assert speculative_config("self:4") == SpeculativeConfig(method="self", draft_layers=4)
     cfg = SpeculativeConfig(num_speculative_tokens=2)
-    assert _spec_config(cfg) is cfg
-    assert _spec_config({"method": "ngram", "ngram_max": 6}) == SpeculativeConfig(ngram_max=6)
+    assert speculative_config(cfg) is cfg
+    assert speculative_config({"method": "ngram", "ngram_max": 6}) == SpeculativeConfig(ngram_max=6)
     with pytest.raises(InvalidRequestError):
-        _spec_config("draft")
+        speculative_config("draft")

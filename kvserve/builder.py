@@ -1,0 +1,83 @@
+"""The composition root: from an ``EngineConfig`` to a running ``EngineCore``.
+
+The config is resolved once (``engine.config.resolve``), the target (and a draft model,
+if the proposer needs one) loaded by the one ``load_model``, the KV memory sized by the
+planner's formula, then the parts built and injected::
+
+    KVCacheManager(BlockPool, PrefixCache) -> Scheduler -> ModelRunner(sampler, verifier)
+                                                      \\-> Speculator (or none) -> EngineCore
+
+It lives outside ``engine/`` so that the engine never imports ``speculative/``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kvserve.engine.config import EngineConfig, resolve
+from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.prefix_cache import PrefixCache
+from kvserve.engine.kv.tensors import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
+from kvserve.engine.model_loading import load_model, torch_dtype
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.scheduler import Scheduler
+from kvserve.errors import InvalidRequestError
+from kvserve.speculative.config import speculative_config
+
+logger = logging.getLogger("kvserve.engine")
+
+
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """KV bytes one token takes in every layer of ``config``'s model (the planner's formula)."""
+    from kvserve.engine.kv.sizing import kv_bytes_per_token as formula
+    return int(formula(config.num_layers, config.num_kv_heads, config.head_dim,
+                       torch.empty((), dtype=dtype).element_size()))
+
+
+def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
+    """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again."""
+    from kvserve.attention import get_backend
+    from kvserve.loader import load_checkpoint
+    from kvserve.sampling.sampler import Sampler
+    from kvserve.speculative.proposer import ProposerContext
+    from kvserve.speculative.registry import proposer_entry
+    from kvserve.speculative.speculator import build_speculator
+    from kvserve.speculative.verify import Verifier
+
+    checkpoint = checkpoint or load_checkpoint(config.model)
+    mc = checkpoint.config
+    resolved = resolve(config, mc, torch.cuda.is_available())
+    spec = speculative_config(config.speculative)
+    entry = proposer_entry(spec.method) if spec else None
+    if resolved.num_threads:
+        torch.set_num_threads(resolved.num_threads)
+    device, dtype = torch.device(resolved.device), torch_dtype(resolved.dtype)
+    model = load_model(checkpoint, device, dtype)
+    draft_path = entry.draft_model_path(spec) if entry else None
+    draft = load_model(load_checkpoint(draft_path), device, dtype) if draft_path else None
+    budget = resolved.kv_cache_bytes or default_kv_budget_bytes(device, model.weight_bytes())
+    if draft is not None:       # one block id covers target and draft KV: split the budget
+        target_bpt, draft_bpt = (kv_bytes_per_token(c, dtype) for c in (mc, draft.config))
+        budget = budget * target_bpt // (target_bpt + draft_bpt)
+    kv_plan = plan_kv_cache(mc, budget, dtype, resolved.block_size, resolved.max_model_len)
+    if kv_plan.num_blocks < 1:
+        raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {kv_plan.explanation}",
+                                  param="kv_cache_bytes")
+    logger.info("KV cache: %s", kv_plan.explanation)
+    kv_cache = allocate_kv_cache(mc, kv_plan, dtype, device)
+    pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
+    kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
+    scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids))
+    sampler = Sampler(seed=resolved.seed)
+    verifier = Verifier(sampler, resolved.seed, device) if spec else None
+    backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier)
+    speculator = None
+    if spec:
+        ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
+                              resolved.attention_backend, device, dtype, resolved.seed, draft)
+        speculator = build_speculator(spec, ctx, verifier)
+    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator)

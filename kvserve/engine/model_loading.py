@@ -1,0 +1,35 @@
+"""One way to turn a checkpoint into a ready model on a device: the target's and a
+draft model's load are the same steps."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("kvserve.engine")
+
+TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """The torch dtype of a resolved dtype name (``ResolvedConfig.dtype``)."""
+    return TORCH_DTYPES[name]
+
+
+def load_model(checkpoint, device: torch.device, dtype: torch.dtype):
+    """Build the checkpoint's architecture, load its tensors, move it to ``device`` in
+    ``dtype`` (rotary tables stay fp32) and pack its projections for that device.
+    The checkpoint's tensors are released as they are consumed."""
+    from kvserve.models.registry import build_model
+
+    model = build_model(checkpoint.config)
+    model.load_weights(checkpoint.tensors)
+    checkpoint.tensors = {}
+    model = model.to(device=device, dtype=dtype).eval()
+    model.rotary.float()
+    layouts = model.pack_weights()
+    logger.info("weights of %s: %.1f MB (%.1f MB read per decode step), layouts %s",
+                checkpoint.config.name or checkpoint.config.architecture, model.weight_bytes() / 1e6,
+                model.decode_read_bytes() / 1e6, layouts)
+    model.weight_layouts = layouts
+    return model

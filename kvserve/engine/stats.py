@@ -1,0 +1,64 @@
+"""Typed engine gauges and counters (``EngineCore.stats()``), mirrored by the server's
+metrics. Pure data: plain ints, floats and lists, so the codec sends it as a map."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, fields
+
+
+@dataclass(frozen=True)
+class SpeculationCounters:
+    """Speculative decoding since start (all zero when speculation is off)."""
+
+    enabled: bool = False
+    num_proposed: int = 0                 # lookahead tokens put up for verification
+    num_accepted: int = 0                 # of those, accepted
+    num_verifications: int = 0            # sequence-steps that verified >= 1 token
+    num_steps_on: int = 0                 # steps where some sequence speculated
+    num_steps_off: int = 0                # decode steps where speculation was switched off by cost
+    accepted_per_position: list[int] = field(default_factory=list)   # [i]: verifications accepting token i
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Accepted tokens per verification."""
+        return self.num_accepted / self.num_verifications if self.num_verifications else 0.0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """One snapshot of the engine (and, from the engine process, of its loop)."""
+
+    num_running_seqs: int = 0
+    num_waiting_seqs: int = 0
+    kv_blocks_used: int = 0               # held by running sequences
+    kv_blocks_cached: int = 0             # held by the prefix cache alone (reclaimable)
+    kv_blocks_total: int = 0
+    num_preemptions: int = 0
+    num_steps: int = 0
+    prefix_cache_enabled: bool = False
+    prefix_cache_queries: int = 0
+    prefix_cache_query_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
+    prefix_cache_hit_rate: float = 0.0
+    prefix_cache_evicted_blocks: int = 0
+    prefix_cache_blocks: int = 0
+    speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
+    # set by the engine process's loop
+    num_requests: int = 0                 # requests the loop tracks (added, not ended)
+    num_aborted: int = 0
+    integrity_ok: bool = True
+
+    def to_dict(self) -> dict:
+        """A plain map (the codec's wire form)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> "EngineStats":
+        """The inverse of ``to_dict``; unknown keys are an error (a version mismatch)."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(raw) - known
+        if unknown:
+            raise ValueError(f"unknown EngineStats fields {sorted(unknown)}")
+        values = dict(raw)
+        if isinstance(values.get("speculation"), dict):
+            values["speculation"] = SpeculationCounters(**values["speculation"])
+        return cls(**values)
