@@ -20,17 +20,15 @@ import pytest
 
 TESTS = Path(__file__).parent
 TIER_MARKERS = {"unit": ("unit",), "model": ("model",), "server": ("server", "model"), "gpu": ("gpu",)}
-_torch_threads_set = False
+TEST_THREADS = int(os.environ.get("KVSERVE_TEST_THREADS", "2"))
 
 
 def _limit_torch_threads() -> None:
     """torch.set_num_threads(KVSERVE_TEST_THREADS, default 2) once torch is imported, without
     importing it here (tier 1 collection needs no torch from conftest)."""
-    global _torch_threads_set
-    if _torch_threads_set or "torch" not in sys.modules:
-        return
-    sys.modules["torch"].set_num_threads(int(os.environ.get("KVSERVE_TEST_THREADS", "2")))
-    _torch_threads_set = True
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != TEST_THREADS:
+        torch.set_num_threads(TEST_THREADS)
 
 
 def pytest_collection_modifyitems(config, items):

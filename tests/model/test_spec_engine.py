@@ -381,8 +381,7 @@ def test_abort_mid_generation_keeps_integrity_and_forgets_state(spec_llm, spec_p
     ids = []
     for i, prompt in enumerate(spec_prompts[-6:]):
         request_id = f"abort-{next(_request_ids)}"
-        spec_llm.engine.add_request(request_id, prompt, params, spec_llm.tokenizer.eos_token_ids)
-        spec_llm.processor.add_request(request_id, None, prompt, params)
+        spec_llm.add_request(EngineRequest(request_id, prompt, params, frozenset(spec_llm.tokenizer.eos_token_ids)))
         ids.append(request_id)
     for _ in range(3):
         spec_llm.processor.process(spec_llm.engine.step())
