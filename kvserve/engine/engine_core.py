@@ -1,4 +1,4 @@
-"""Engine core: one step of the DESIGN.md step contract over injected components.
+"""Engine core: one step of the step contract (docs/architecture.md) over injected components.
 
 It sees token ids and ``EngineRequest`` only (no HTTP, JSON, chat templates or text).
 ``kvserve.builder.build_engine`` resolves the config, loads the model and builds the

@@ -1,4 +1,5 @@
-"""Plain data at the edges of one engine step: StepPlan in, StepResult out (DESIGN.md s2).
+"""Plain data at the edges of one engine step: StepPlan in, StepResult out
+(docs/architecture.md, "The step contract").
 
 Ints, lists and the request's SamplingParams only: no tensors cross this boundary.
 """

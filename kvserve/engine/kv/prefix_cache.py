@@ -1,4 +1,4 @@
-"""Radix prefix cache over full KV blocks (DESIGN.md s3). Pure Python, no torch.
+"""Radix prefix cache over full KV blocks (docs/prefix_cache.md). Pure Python, no torch.
 
 One tree per ``CacheNamespace`` (adapter id, weight epoch, cache salt). A node holds a
 run of one or more full blocks: their token ids (``num_blocks * block_size`` of them),
