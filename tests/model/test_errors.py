@@ -1,8 +1,6 @@
 """Tier 2: bad input raises a typed error with a clear message, and leaves nothing behind."""
 from __future__ import annotations
 
-import shutil
-
 import pytest
 
 from kvserve import LLM
