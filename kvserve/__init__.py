@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
@@ -11,6 +11,9 @@ def __getattr__(name: str):
     if name == "LLM":
         from kvserve.frontend.llm import LLM
         return LLM
+    if name == "LoRARequest":
+        from kvserve.frontend.lora_request import LoRARequest
+        return LoRARequest
     if name == "SamplingParams":
         from kvserve.sampling.params import SamplingParams
         return SamplingParams

@@ -4,8 +4,12 @@ The config is resolved once (``engine.config.resolve``), the target (and a draft
 if the proposer needs one) loaded by the one ``load_model``, the KV memory sized by the
 planner's formula, then the parts built and injected::
 
-    KVCacheManager(BlockPool, PrefixCache) -> Scheduler -> ModelRunner(sampler, verifier)
-                                                      \\-> Speculator (or none) -> EngineCore
+    KVCacheManager(BlockPool, PrefixCache) -> Scheduler(gate) -> ModelRunner(sampler, verifier, batch)
+                                                            \\-> Speculator (or none) -> EngineCore
+
+With LoRA on, ``kvserve.lora.build`` wraps the model's projections and gives the
+``LoRAManager`` (the scheduler's residency gate and the engine's adapter catalog) and
+the ``LoRABatch`` (the runner's batch context).
 
 It lives outside ``engine/`` so that the engine never imports ``speculative/``.
 """
@@ -58,7 +62,12 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     model = load_model(checkpoint, device, dtype)
     draft_path = entry.draft_model_path(spec) if entry else None
     draft = load_model(load_checkpoint(draft_path), device, dtype) if draft_path else None
-    budget = resolved.kv_cache_bytes or default_kv_budget_bytes(device, model.weight_bytes())
+    adapters, batch = None, None
+    if resolved.lora is not None:
+        from kvserve.lora.build import build_lora
+        adapters, batch = build_lora(resolved.lora, model, mc, device, dtype)
+    budget = resolved.kv_cache_bytes or default_kv_budget_bytes(
+        device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
     if draft is not None:       # one block id covers target and draft KV: split the budget
         target_bpt, draft_bpt = (kv_bytes_per_token(c, dtype) for c in (mc, draft.config))
         budget = budget * target_bpt // (target_bpt + draft_bpt)
@@ -70,14 +79,14 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     kv_cache = allocate_kv_cache(mc, kv_plan, dtype, device)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
-    scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids))
+    scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters)
     sampler = Sampler(seed=resolved.seed)
     verifier = Verifier(sampler, resolved.seed, device) if spec else None
     backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
-    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier)
+    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch)
     speculator = None
     if spec:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
                               resolved.attention_backend, device, dtype, resolved.seed, draft)
         speculator = build_speculator(spec, ctx, verifier)
-    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator)
+    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters)

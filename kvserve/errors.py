@@ -47,3 +47,19 @@ class ModelLoadError(KVServeError):
     http_status = 404
     error_type = "invalid_request_error"
     code = "model_load_error"
+
+
+class AdapterLoadError(InvalidRequestError):
+    """A LoRA adapter folder that cannot be served: missing files, an unknown target
+    module, a rank above the maximum, a shape that does not fit the base model, an
+    unsupported PEFT option (HTTP 400). The message names what is wrong."""
+
+    code = "invalid_lora_adapter"
+
+
+class AdapterNotFoundError(KVServeError):
+    """A request names an adapter that is not loaded (HTTP 404, as an unknown model)."""
+
+    http_status = 404
+    error_type = "invalid_request_error"
+    code = "model_not_found"

@@ -35,6 +35,13 @@ class EngineConfig:
     # Speculative decoding: None (off), "ngram", "draft:<model>", "self:<layers>", or a
     # kvserve.speculative.config.SpeculativeConfig (or a dict of its fields) for the finer knobs.
     speculative: object = None
+    # LoRA adapters (kvserve.lora): resident slots, host-tier size (None: 2 x max_loras),
+    # the largest rank a slot holds, and adapters to load at start ({name: PEFT folder}).
+    enable_lora: bool = False
+    max_loras: int = 4
+    max_cpu_loras: int | None = None
+    max_lora_rank: int = 16
+    lora_modules: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +58,17 @@ class ResolvedConfig:
     seed: int
     enable_prefix_cache: bool
     scheduler: SchedulerConfig
+    lora: "LoRASettings | None" = None    # None: LoRA off
+
+
+@dataclass(frozen=True)
+class LoRASettings:
+    """Resolved LoRA settings (``EngineConfig.enable_lora`` and the ``max_*`` fields)."""
+
+    max_loras: int
+    max_cpu_loras: int
+    max_lora_rank: int
+    lora_modules: tuple[tuple[str, str], ...] = ()
 
 
 def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool) -> ResolvedConfig:
@@ -70,10 +88,25 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool) -> R
         if getattr(config, name) < 1:
             raise InvalidRequestError(f"{name} must be >= 1", param=name)
     max_model_len = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    return ResolvedConfig(
+    return ResolvedConfig(lora=resolve_lora(config),
         device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=config.kv_cache_bytes,
         block_size=config.block_size, num_threads=config.num_threads,
         attention_backend=config.attention_backend, seed=config.seed,
         enable_prefix_cache=config.enable_prefix_cache,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                   config.prefix_cache_grace_s))
+
+
+def resolve_lora(config: EngineConfig) -> LoRASettings | None:
+    """LoRA settings, or None when LoRA is off (``lora_modules`` turns it on)."""
+    modules = tuple((str(name), str(path)) for name, path in (config.lora_modules or {}).items())
+    if not (config.enable_lora or modules):
+        return None
+    for name in ("max_loras", "max_lora_rank"):
+        if getattr(config, name) < 1:
+            raise InvalidRequestError(f"{name} must be >= 1", param=name)
+    host = config.max_cpu_loras if config.max_cpu_loras is not None else 2 * config.max_loras
+    if host < config.max_loras:
+        raise InvalidRequestError(f"max_cpu_loras ({host}) must be >= max_loras ({config.max_loras})",
+                                  param="max_cpu_loras")
+    return LoRASettings(config.max_loras, host, config.max_lora_rank, modules)

@@ -13,6 +13,7 @@ parts; here they are composed::
 from __future__ import annotations
 
 from kvserve.config import ModelConfig
+from kvserve.engine.adapter_catalog import AdapterCatalog
 from kvserve.engine.admission import EngineLimits, check_context, check_grace_s, check_logit_bias, check_token_ids
 from kvserve.engine.config import ResolvedConfig
 from kvserve.engine.kv.cache_events import CacheEvent
@@ -22,15 +23,17 @@ from kvserve.engine.lookahead import NullSpeculator, Speculator
 from kvserve.engine.request import EngineRequest, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import AdapterCounters, EngineStats
 from kvserve.engine.step import SeqUpdate
+from kvserve.errors import AdapterNotFoundError, InvalidRequestError
 
 
 class EngineCore:
     """The offline engine: add requests, call ``step()`` until nothing is unfinished."""
 
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig, kv_plan: KVCachePlan,
-                 scheduler: Scheduler, runner, speculator: Speculator | None = None):
+                 scheduler: Scheduler, runner, speculator: Speculator | None = None,
+                 adapters: AdapterCatalog | None = None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = config.max_model_len
@@ -39,6 +42,7 @@ class EngineCore:
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.speculator = speculator or NullSpeculator()
+        self.adapters = adapters             # LoRA adapters (None: base weights only)
         self.limits = EngineLimits(config.max_model_len, model_config.vocab_size, config.block_size,
                                    kv_plan.num_blocks, kv_plan.max_tokens)
         self.num_steps = 0
@@ -67,12 +71,25 @@ class EngineCore:
 
     # ---------------------------------------------------------------- requests
     def add_request(self, request: EngineRequest) -> None:
-        """Validate and queue a request; its ``params.n`` sequences share its prompt blocks."""
+        """Validate and queue a request; its ``params.n`` sequences share its prompt blocks.
+        ``request.adapter_id`` names an adapter; it runs with whatever is loaded under
+        that name now (its identity is fixed here, a later reload does not change it)."""
         self.validate_request(request)
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, self.adapter_key(request.adapter_id))
+
+    def adapter_key(self, name: str | None) -> str | None:
+        """The identity of the adapter loaded as ``name`` (None: the base weights)."""
+        if name is None:
+            return None
+        if self.adapters is None:
+            raise AdapterNotFoundError(f"the model {name!r} does not exist: LoRA adapters are not enabled "
+                                       "on this engine", param="model")
+        return self.adapters.resolve(name)
 
     def validate_request(self, request: EngineRequest) -> None:
         """Raise a typed error if this request cannot run here; changes nothing."""
+        if request.adapter_id is not None:
+            self.adapter_key(request.adapter_id)
         request.params.validate()
         check_token_ids(request.prompt_token_ids, self.limits.vocab_size)
         check_logit_bias(request.params.logit_bias, self.limits.vocab_size)
@@ -109,6 +126,26 @@ class EngineCore:
         if not plan.is_empty:
             self.speculator.observe(plan, result, updates)
         return updates
+
+    # ---------------------------------------------------------------- adapters
+    def load_adapter(self, name: str, path: str) -> dict:
+        """Load a PEFT LoRA folder as ``name`` (a clear ``AdapterLoadError`` if it cannot
+        be served); its description."""
+        return self._catalog().load(name, path)
+
+    def unload_adapter(self, name: str) -> None:
+        """New requests can no longer select ``name``; running ones finish with it."""
+        self._catalog().unload(name)
+
+    def list_adapters(self) -> list[dict]:
+        """The loaded adapters (empty when LoRA is off)."""
+        return self.adapters.describe() if self.adapters is not None else []
+
+    def _catalog(self) -> AdapterCatalog:
+        if self.adapters is None:
+            raise InvalidRequestError("LoRA adapters are not enabled on this engine (enable_lora / "
+                                      "--lora-modules)", param="lora_name")
+        return self.adapters
 
     # ------------------------------------------------------------ prefix cache
     def reset_prefix_cache(self) -> int:
@@ -156,4 +193,5 @@ class EngineCore:
             prefix_cache_hit_rate=cache.hit_rate if cache else 0.0,
             prefix_cache_evicted_blocks=cache.num_evicted_blocks if cache else 0,
             prefix_cache_blocks=cache.num_cached_blocks if cache else 0,
-            speculation=self.speculator.counters())
+            speculation=self.speculator.counters(),
+            adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters())

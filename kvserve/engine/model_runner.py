@@ -1,7 +1,9 @@
 """Model runner: StepPlan -> tensors -> forward -> sampled tokens (StepResult).
 
 Owns the model, the KV cache tensor and the sampler. Never mutates scheduler
-state: everything it needs arrives in the plan as ints and lists.
+state: everything it needs arrives in the plan as ints and lists. A ``BatchContext``
+(LoRA segments) orders the plan's sequences and brackets each forward with the
+metadata the model's projection transforms read.
 """
 from __future__ import annotations
 
@@ -10,9 +12,10 @@ import time
 import torch
 
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
+from kvserve.engine.batch_context import BatchContext, PlainBatch
 from kvserve.engine.decode_groups import decode_groups
 from kvserve.engine.lookahead import LookaheadGroup, Verifier
-from kvserve.engine.step import SampledToken, StepPlan, StepResult
+from kvserve.engine.step import SampledToken, ScheduledSeq, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
 
 
@@ -20,7 +23,8 @@ class ModelRunner:
     """Executes step plans on one device."""
 
     def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
-                 device: torch.device, sampler: Sampler | None = None, verifier: Verifier | None = None):
+                 device: torch.device, sampler: Sampler | None = None, verifier: Verifier | None = None,
+                 batch_context: BatchContext | None = None):
         self.model = model
         self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
         self.backend = backend
@@ -28,6 +32,7 @@ class ModelRunner:
         self.device = device
         self.sampler = sampler or Sampler()
         self.verifier = verifier           # settles lookahead tokens (None: plans never carry any)
+        self.batch_context = batch_context or PlainBatch()
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -37,9 +42,10 @@ class ModelRunner:
         self.copy_blocks(plan.block_copies)
         if plan.is_empty:
             return StepResult()
-        to_sample = [s for s in plan.scheduled if s.sample]
-        hidden, sample_rows = self._forward(plan)
-        prompt_lps = self._prompt_logprobs(plan, hidden)
+        items = self.batch_context.order(plan.scheduled)
+        to_sample = [s for s in items if s.sample]
+        hidden, sample_rows = self._forward(items)
+        prompt_lps = self._prompt_logprobs(items, hidden)
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
         logits = self.model.compute_logits(hidden[sample_rows])                   # [rows, vocab]
@@ -74,24 +80,30 @@ class ModelRunner:
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor | None:
         """One forward over the plan's tokens (lookahead included); fp32 logits of the
-        sampled rows, ``[rows, vocab]`` in plan order (None if nothing samples)."""
-        hidden, sample_rows = self._forward(plan)
+        sampled rows, ``[rows, vocab]`` in the batch context's order (plan order without
+        one; None if nothing samples)."""
+        hidden, sample_rows = self._forward(self.batch_context.order(plan.scheduled))
         if sample_rows.numel() == 0:
             return None
         return self.model.compute_logits(hidden[sample_rows])
 
-    def _forward(self, plan: StepPlan) -> tuple[torch.Tensor, torch.Tensor]:
-        """Final hidden states of every token ``[T, hidden]`` and the sampled rows."""
-        input_ids, positions, meta, sample_rows = self._prepare(plan)
-        return self.model(input_ids, positions, self.kv_cache, self.backend, meta), sample_rows
+    def _forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Final hidden states of every token ``[T, hidden]`` (rows in ``items`` order)
+        and the sampled rows."""
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        self.batch_context.begin(items, [s.num_tokens + len(s.lookahead_token_ids) for s in items])
+        try:
+            return self.model(input_ids, positions, self.kv_cache, self.backend, meta), sample_rows
+        finally:
+            self.batch_context.end()
 
-    def _prompt_logprobs(self, plan: StepPlan, hidden: torch.Tensor,
+    def _prompt_logprobs(self, items: list[ScheduledSeq], hidden: torch.Tensor,
                          rows_per_pass: int = 256) -> dict[int, list[SampledToken]]:
         """For chunks that want them: the raw logprob (and top-k) of each prompt token
         the chunk predicts, i.e. prompt[p + 1] from the hidden state at position p."""
         result: dict[int, list[SampledToken]] = {}
         row = 0
-        for s in plan.scheduled:
+        for s in items:
             n = s.num_tokens + len(s.lookahead_token_ids)
             if s.want_prompt_logprobs:
                 last = min(s.start_position + s.num_tokens, len(s.prompt_token_ids) - 1)
@@ -115,8 +127,9 @@ class ModelRunner:
             dst = torch.tensor([c[1] for c in copies], device=self.device)
             self.kv_cache[:, :, dst] = self.kv_cache[:, :, src]
 
-    def _prepare(self, plan: StepPlan):
-        """Flatten the plan into input ids, positions, cache slots and attention metadata."""
+    def _prepare(self, items: list[ScheduledSeq]):
+        """Flatten the step's sequences into input ids, positions, cache slots and
+        attention metadata."""
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[int] = []
@@ -124,7 +137,7 @@ class ModelRunner:
         prefills: list[PrefillChunk] = []
         decode_rows, decode_tables, decode_lens = [], [], []
         sample_rows: list[int] = []
-        for s in plan.scheduled:
+        for s in items:
             row = len(input_ids)
             tokens = s.token_ids + s.lookahead_token_ids if s.lookahead_token_ids else s.token_ids
             start, n = s.start_position, len(tokens)

@@ -9,6 +9,9 @@ enough (after evicting unlocked cached blocks), the newest lowest-priority runni
 sequence is preempted by recompute and returns to the waiting queue at its
 original place.
 
+A ``ResidencyGate`` (LoRA slots) may hold a waiting sequence back until the weights it
+needs are resident; later sequences whose weights are resident go ahead of it.
+
 Lookahead tokens (speculative decoding) are a generic extra: each decoding item
 carries ``lookahead_limit``; a speculator asks ``reserve_lookahead`` for slots
 after ``schedule`` and ``update`` accepts what the runner verified.
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.prompt_logprobs import new_prompt_logprobs, wants_prompt_logprobs
 from kvserve.engine.request import EngineRequest, RequestStatus
+from kvserve.engine.residency import OpenGate, ResidencyGate
 from kvserve.engine.sequence import FinishReason, Sequence, SeqStatus
 from kvserve.engine.step import SampledToken, ScheduledSeq, SeqUpdate, StepPlan, StepResult
 
@@ -41,9 +45,10 @@ class Scheduler:
     """Owns sequences; produces StepPlans, consumes StepResults; asks ``kv`` for blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int | None = None,
-                 eos_token_ids: frozenset[int] = frozenset()):
+                 eos_token_ids: frozenset[int] = frozenset(), gate: ResidencyGate | None = None):
         self.config = config
         self.kv = kv
+        self.gate = gate or OpenGate()
         self.max_model_len = max_model_len     # lookahead never runs past it; default max_tokens
         self.eos_token_ids = eos_token_ids     # for requests that name none
         self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
@@ -81,16 +86,19 @@ class Scheduler:
         self.kv.check_integrity(self._running, [seq for _key, seq in self._waiting])
 
     # ---------------------------------------------------------------- requests
-    def add_request(self, request: EngineRequest) -> Sequence:
+    def add_request(self, request: EngineRequest, adapter_key: str | None = None) -> Sequence:
         """Queue a request as one leader sequence; its ``n - 1`` siblings travel in
-        ``pending_fork`` until the leader's prompt is computed. Returns the leader."""
+        ``pending_fork`` until the leader's prompt is computed. Returns the leader.
+        ``adapter_key``: the identity of the loaded adapter the request runs with (the
+        engine resolves the request's adapter name to it); it names the cache namespace
+        and what the gate must make resident."""
         prompt, params = list(request.prompt_token_ids), request.params
         if params.max_tokens is None and self.max_model_len is None:
             raise ValueError("max_tokens is needed when the scheduler has no max_model_len")
         max_tokens = params.max_tokens if params.max_tokens is not None else self.max_model_len - len(prompt)
         eos = frozenset(request.eos_token_ids) if request.eos_token_ids is not None else self.eos_token_ids
         # prompt logprobs need every prompt position computed: no cache reads
-        namespace = self.kv.namespace_for(request.adapter_id, request.cache_salt,
+        namespace = self.kv.namespace_for(adapter_key, request.cache_salt,
                                           request.use_prefix_cache and params.prompt_logprobs is None)
         arrival = next(self._arrivals)
 
@@ -99,10 +107,12 @@ class Scheduler:
                             prompt_token_ids=prompt, params=params, max_tokens=max_tokens, eos_token_ids=eos,
                             priority=request.priority, arrival_index=arrival, cache_namespace=namespace,
                             cache_grace_s=request.prefix_cache_grace_s,
-                            max_lookahead_tokens=request.num_speculative_tokens)
+                            max_lookahead_tokens=request.num_speculative_tokens, adapter_key=adapter_key)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
+        for seq in (leader, *leader.pending_fork):
+            self.gate.register(seq.seq_id, adapter_key)
         self._seqs[leader.seq_id] = leader
         self._by_request.setdefault(request.request_id, []).extend([leader, *leader.pending_fork])
         heapq.heappush(self._waiting, (leader.sort_key, leader))
@@ -164,19 +174,26 @@ class Scheduler:
         return plan
 
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+        held_back = []            # the gate said not yet: they keep their place in the queue
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0][1]
+            if not self.gate.acquire(seq.seq_id):
+                held_back.append(heapq.heappop(self._waiting))
+                continue
             hit = self.kv.match(seq)
             num_new = min(seq.num_tokens_to_compute_after(hit.num_tokens), budget)
             # Nothing running: grace-protected blocks would never free themselves in time.
             if not self.kv.admit(seq, hit, num_new, include_protected=not self._running):
-                break             # FCFS: nobody overtakes the head of the queue
+                self.gate.release(seq.seq_id)
+                break             # FCFS for KV: nobody overtakes the head of the queue
             heapq.heappop(self._waiting)
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
             if num_new > 0:
                 plan.scheduled.append(self._scheduled(seq, num_new))
                 budget -= num_new
+        for item in held_back:
+            heapq.heappush(self._waiting, item)
         return budget
 
     def _make_room(self, seq: Sequence, num_blocks: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
@@ -199,6 +216,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute preemption: blocks freed (its full ones stay cached), back to waiting."""
         self.kv.free(seq, grace_s=0.0)
+        self.gate.release(seq.seq_id)
         seq.num_computed_tokens = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -214,7 +232,9 @@ class Scheduler:
         if not self._make_room(leader, self.kv.fork_blocks_needed(leader, len(children)), plan, scheduled_ids):
             return False
         plan.block_copies.extend(self.kv.fork(leader, children))
-        for child in children:
+        for child in children:       # the leader holds the adapter resident: this cannot refuse
+            if not self.gate.acquire(child.seq_id):
+                raise AssertionError(f"gate refused sibling {child.seq_id} of a running leader")
             child.status = SeqStatus.RUNNING
             self._seqs[child.seq_id] = child
         leader.pending_fork = []
@@ -230,7 +250,7 @@ class Scheduler:
             start_position=start, block_table=list(seq.block_table), sample=sample,
             params=seq.params, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids, eos_token_ids=seq.eos_token_ids,
-            sibling_index=seq.sibling_index,
+            sibling_index=seq.sibling_index, adapter_key=seq.adapter_key,
             want_prompt_logprobs=wants_prompt_logprobs(seq, start, num_new),
             lookahead_limit=self._lookahead_limit(seq, num_new, sample))
 
@@ -322,7 +342,9 @@ class Scheduler:
             self._running.remove(seq)
         grace_s = seq.cache_grace_s if seq.cache_grace_s is not None else self.config.prefix_cache_grace_s
         self.kv.free(seq, 0.0 if reason is FinishReason.ABORT else grace_s)
+        self.gate.forget(seq.seq_id)
         for child in seq.pending_fork:       # never forked: finish with the leader
+            self.gate.forget(child.seq_id)
             child.status = SeqStatus.FINISHED
             child.finish_reason = reason
         seq.pending_fork = []

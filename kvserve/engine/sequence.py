@@ -66,6 +66,8 @@ class Sequence:
     # Lookahead (speculative) tokens per step for this sequence: None = the engine's
     # setting, 0 = never (the request's num_speculative_tokens).
     max_lookahead_tokens: int | None = None
+    # The loaded adapter's identity (None = base weights): cache namespace and residency.
+    adapter_key: str | None = None
     # prompt_logprobs: prompt positions whose logprob was already reported (a recompute
     # after preemption does not report them twice). Position 0 has none.
     num_prompt_logprobs_done: int = 1

@@ -24,6 +24,28 @@ class SpeculationCounters:
 
 
 @dataclass(frozen=True)
+class AdapterCounters:
+    """LoRA adapters since start (all zero when LoRA is off). Tiers: resident slots (the
+    forward reads them), host memory (loaded, LRU), disk."""
+
+    enabled: bool = False
+    max_resident: int = 0                 # resident slots (--max-loras)
+    max_host: int = 0                     # host-tier capacity (--max-cpu-loras)
+    num_registered: int = 0               # names that resolve now
+    num_resident: int = 0                 # slots holding an adapter
+    num_host: int = 0                     # adapters in host memory
+    num_disk_loads: int = 0               # disk -> host
+    num_slot_loads: int = 0               # host -> resident slot (swaps in)
+    num_slot_evictions: int = 0           # a resident adapter replaced by another
+    num_host_evictions: int = 0           # dropped from host memory (LRU)
+    disk_load_seconds: float = 0.0        # total time of the disk loads
+    slot_load_seconds: float = 0.0        # total time of the slot loads
+    num_waiting_for_slot: int = 0         # sequences held back because no slot was free
+    running_adapters: list[str] = field(default_factory=list)   # names with a running sequence
+    waiting_adapters: list[str] = field(default_factory=list)   # names with a held-back sequence
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine (and, from the engine process, of its loop)."""
 
@@ -42,6 +64,7 @@ class EngineStats:
     prefix_cache_evicted_blocks: int = 0
     prefix_cache_blocks: int = 0
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
+    adapters: AdapterCounters = field(default_factory=AdapterCounters)
     # set by the engine process's loop
     num_requests: int = 0                 # requests the loop tracks (added, not ended)
     num_aborted: int = 0
@@ -61,4 +84,6 @@ class EngineStats:
         values = dict(raw)
         if isinstance(values.get("speculation"), dict):
             values["speculation"] = SpeculationCounters(**values["speculation"])
+        if isinstance(values.get("adapters"), dict):
+            values["adapters"] = AdapterCounters(**values["adapters"])
         return cls(**values)

@@ -26,6 +26,7 @@ class ScheduledSeq:
     output_token_ids: list[int]      # read-only view for penalties / min_tokens / seeds
     eos_token_ids: frozenset[int]
     sibling_index: int
+    adapter_key: str | None = None   # the loaded adapter's identity (None = base weights)
     # Lookahead (speculative) tokens: ``lookahead_limit`` is the most this sequence may
     # take this step (its max_tokens, the context and the request's cap); a speculator
     # reserves ``num_lookahead_slots`` of them (blocks and budget) and fills

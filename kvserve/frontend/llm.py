@@ -8,6 +8,7 @@ from typing import Any, Sequence
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.request import EngineRequest
 from kvserve.errors import InvalidRequestError
+from kvserve.frontend.lora_request import LoRARequest
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.outputs import RequestOutput
 from kvserve.sampling.params import SamplingParams
@@ -19,7 +20,8 @@ class LLM:
     """A tokenizer, an engine core and an output processor in one process.
 
     Keyword arguments are EngineConfig fields (``kv_cache_bytes``, ``max_num_seqs``,
-    ``max_num_batched_tokens``, ``num_threads``, ``enable_prefix_cache``, ...).
+    ``max_num_batched_tokens``, ``num_threads``, ``enable_prefix_cache``, ``enable_lora``,
+    ``max_loras``, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
@@ -77,11 +79,14 @@ class LLM:
                  priority: Sequence[int] | None = None, *, cache_salt: str | None = None,
                  adapter_id: str | None = None, use_prefix_cache: bool = True,
                  prefix_cache_grace_s: float | None = None,
-                 num_speculative_tokens: int | None = None) -> list[RequestOutput]:
+                 num_speculative_tokens: int | None = None,
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
-        ``cache_salt`` / ``adapter_id`` namespace the prefix cache (requests share cached
-        KV only within one namespace); ``use_prefix_cache=False`` opts these requests
+        ``lora_request``: one adapter for every prompt, or one (or None) per prompt; a
+        loaded adapter may also be named by ``adapter_id``. ``cache_salt`` namespaces
+        the prefix cache (requests share cached KV only within one namespace, and never
+        across adapters); ``use_prefix_cache=False`` opts these requests
         out; ``prefix_cache_grace_s`` keeps their blocks unevictable that long after they
         finish (a conversation's next turn). ``RequestOutput.num_cached_tokens`` counts
         prompt tokens served by the cache. ``num_speculative_tokens`` caps these
@@ -95,13 +100,14 @@ class LLM:
                        else list(sampling_params))
         if len(params_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
+        adapter_names = self._adapter_names(lora_request, adapter_id, len(prompt_list))
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = self.encode_prompt(prompt)
             request = EngineRequest(str(next(self._request_ids)), token_ids, params,
                                     frozenset(self.tokenizer.eos_token_ids),
                                     priority[i] if priority is not None else 0, cache_salt=cache_salt,
-                                    adapter_id=adapter_id, use_prefix_cache=use_prefix_cache,
+                                    adapter_id=adapter_names[i], use_prefix_cache=use_prefix_cache,
                                     prefix_cache_grace_s=prefix_cache_grace_s,
                                     num_speculative_tokens=num_speculative_tokens)
             requests.append((text, request))
@@ -111,6 +117,29 @@ class LLM:
             self.add_request(request, text)
         results = self._run_to_completion()
         return [results[request.request_id] for _text, request in requests]
+
+    def _adapter_names(self, lora_request, adapter_id: str | None, count: int) -> list[str | None]:
+        """The adapter name of each prompt, loading (or reloading) what ``lora_request`` names."""
+        if lora_request is None:
+            return [adapter_id] * count
+        per_prompt = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
+        if len(per_prompt) != count:
+            raise InvalidRequestError("need one LoRARequest (or None) per prompt", param="lora_request")
+        for lora in {r for r in per_prompt if r is not None}:
+            self.load_lora(lora)
+        return [r.name if r is not None else adapter_id for r in per_prompt]
+
+    def load_lora(self, lora: LoRARequest) -> dict:
+        """Make ``lora.name`` resolve to the adapter at ``lora.path`` (loaded once; a new
+        path under a known name replaces it). Its description."""
+        import os
+        loaded = {a["name"]: a for a in self.engine.list_adapters()}
+        current = loaded.get(lora.name)
+        if current is not None and current["path"] == os.path.abspath(lora.path):
+            return current
+        if current is not None:
+            self.engine.unload_adapter(lora.name)
+        return self.engine.load_adapter(lora.name, lora.path)
 
     def add_request(self, request: EngineRequest, prompt_text: str | None = None) -> None:
         """Queue one request in the engine and the output processor (``generate`` does this

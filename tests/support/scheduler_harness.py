@@ -45,13 +45,14 @@ class SchedulerHarness:
         self.finished: dict[tuple[str, int], str] = {}
 
     def add(self, request_id: str, prompt, max_tokens: int = 8, n: int = 1, priority: int = 0,
-            request_kw: dict | None = None, **params_kw) -> Sequence:
+            request_kw: dict | None = None, adapter_key: str | None = None, **params_kw) -> Sequence:
         """Queue a request; ``prompt`` is a token list or a length (tokens 1..length).
-        ``request_kw`` are further EngineRequest fields; ``params_kw`` SamplingParams fields."""
+        ``request_kw`` are further EngineRequest fields; ``adapter_key`` the resolved
+        adapter identity; ``params_kw`` SamplingParams fields."""
         params = SamplingParams(n=n, max_tokens=max_tokens, **{"temperature": 0, **params_kw})
         tokens = list(range(1, prompt + 1)) if isinstance(prompt, int) else list(prompt)
         leader = self.sched.add_request(EngineRequest(request_id, tokens, params, priority=priority,
-                                                      **(request_kw or {})))
+                                                      **(request_kw or {})), adapter_key)
         self.seqs += [leader, *leader.pending_fork]
         return leader
 

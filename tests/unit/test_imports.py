@@ -114,8 +114,8 @@ def test_engine_does_not_import_the_layers_above_it():
     assert "kvserve.engine.scheduler" in imports["kvserve/engine/engine_core.py"]
     assert "kvserve.models.registry" in imports["kvserve/engine/model_loading.py"]   # a function-local import
     bad = _offending(imports, ("kvserve.frontend", "kvserve.server", "kvserve.planner", "kvserve.ipc",
-                               "kvserve.loadgen", "kvserve.speculative", "kvserve.builder"))
-    assert not bad, ("kvserve/engine imports from frontend/server/planner/ipc/loadgen/speculative/builder:\n"
+                               "kvserve.loadgen", "kvserve.speculative", "kvserve.lora", "kvserve.builder"))
+    assert not bad, ("kvserve/engine imports from frontend/server/planner/ipc/loadgen/speculative/lora/builder:\n"
                      + "\n".join(bad))
 
 
@@ -124,3 +124,10 @@ def test_speculative_does_not_import_the_scheduler():
     assert "kvserve.engine.step" in imports["kvserve/speculative/verify.py"]     # not vacuous
     bad = _offending(imports, ("kvserve.engine.scheduler",))
     assert not bad, "kvserve/speculative imports the scheduler:\n" + "\n".join(bad)
+
+
+def test_lora_does_not_import_the_scheduler():
+    imports = _package_imports("lora")
+    assert "kvserve.engine.step" in imports["kvserve/lora/batch.py"]     # not vacuous
+    bad = _offending(imports, ("kvserve.engine.scheduler", "kvserve.engine.model_runner", "kvserve.server"))
+    assert not bad, "kvserve/lora imports the scheduler, the runner or the server:\n" + "\n".join(bad)

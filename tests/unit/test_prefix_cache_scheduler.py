@@ -19,12 +19,14 @@ class Harness(SchedulerHarness):
         super().__init__(num_blocks, 4, max_num_seqs, budget, grace_s, prefix_cache=True)
 
     def add(self, request_id, prompt, max_tokens=1, n=1, namespace=NS, priority=0, grace_s=None):
-        request_kw = {"prefix_cache_grace_s": grace_s}
+        request_kw, adapter_key = {"prefix_cache_grace_s": grace_s}, None
         if namespace is None:
             request_kw["use_prefix_cache"] = False
         else:
-            request_kw.update(adapter_id=namespace.adapter_id, cache_salt=namespace.cache_salt)
-        return super().add(request_id, list(prompt), max_tokens, n, priority, request_kw, ignore_eos=True)
+            request_kw.update(cache_salt=namespace.cache_salt)
+            adapter_key = namespace.adapter_id
+        return super().add(request_id, list(prompt), max_tokens, n, priority, request_kw, adapter_key=adapter_key,
+                           ignore_eos=True)
 
     def step(self, token=7):
         plan = self.sched.schedule()

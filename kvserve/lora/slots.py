@@ -1,0 +1,83 @@
+"""The resident pool: ``num_slots`` adapters in preallocated stacked tensors.
+
+The model fuses q/k/v into one projection and gate/up into another, so each of the four
+projection roles of a layer gets, per slot, ``A [in, n_sub * R]`` and a block-diagonal
+``B [n_sub * R, out]`` (``R`` = the maximum rank; a smaller rank and any sub-module the
+adapter does not adapt stay zero). The scale is folded into ``B`` and both are stored
+the way ``x @ A @ B`` reads them, so one step's delta for a run of rows of one adapter
+is two small matrix products per projection, whatever the adapter's target subset.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvserve.config import ModelConfig
+from kvserve.lora.peft_format import AdapterWeights, module_shape
+
+
+@dataclass(frozen=True)
+class Role:
+    """One fused projection of a layer and the PEFT modules it is made of, in output order."""
+
+    name: str
+    path: tuple[str, str]          # attribute path in a decoder layer
+    modules: tuple[str, ...]
+
+
+ROLES = (Role("qkv", ("self_attn", "qkv_proj"), ("q_proj", "k_proj", "v_proj")),
+         Role("o", ("self_attn", "o_proj"), ("o_proj",)),
+         Role("gate_up", ("mlp", "gate_up_proj"), ("gate_proj", "up_proj")),
+         Role("down", ("mlp", "down_proj"), ("down_proj",)))
+ROLE_OF = {module: (role, index) for role in ROLES for index, module in enumerate(role.modules)}
+
+
+class AdapterSlots:
+    """Stacked LoRA weights of ``num_slots`` adapters for every layer and role."""
+
+    def __init__(self, config: ModelConfig, num_slots: int, max_rank: int, device, dtype: torch.dtype):
+        self.config, self.num_slots, self.max_rank = config, num_slots, max_rank
+        self.a: dict[str, torch.Tensor] = {}       # role -> [layers, slots, in, n_sub * R]
+        self.b: dict[str, torch.Tensor] = {}       # role -> [layers, slots, n_sub * R, out]
+        self.offsets: dict[str, list[int]] = {}    # role -> output offset of each sub-module
+        for role in ROLES:
+            shapes = [module_shape(config, m) for m in role.modules]
+            in_dim, width = shapes[0][1], len(role.modules) * max_rank
+            self.offsets[role.name] = [sum(s[0] for s in shapes[:i]) for i in range(len(shapes))]
+            out_dim = sum(s[0] for s in shapes)
+            self.a[role.name] = torch.zeros(config.num_layers, num_slots, in_dim, width, device=device, dtype=dtype)
+            self.b[role.name] = torch.zeros(config.num_layers, num_slots, width, out_dim, device=device, dtype=dtype)
+        # active[role][slot]: the adapter in the slot adapts this role in some layer
+        self.active: dict[str, list[bool]] = {role.name: [False] * num_slots for role in ROLES}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.a.values(), *self.b.values()))
+
+    @property
+    def slot_nbytes(self) -> int:
+        return self.nbytes // self.num_slots
+
+    def layer_view(self, role: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
+        """``A [slots, in, n_sub * R]``, ``B [slots, n_sub * R, out]`` and the active flags
+        of one layer's projection (views: writes to a slot are seen at once)."""
+        return self.a[role][layer], self.b[role][layer], self.active[role]
+
+    def write(self, slot: int, weights: AdapterWeights) -> None:
+        """Copy an adapter into ``slot`` (transposed, scale folded into B, rank zero-padded)."""
+        self.clear(slot)
+        R = self.max_rank
+        for (layer, module), (a, b) in weights.tensors.items():
+            role, index = ROLE_OF[module]
+            r, out = a.shape[0], b.shape[0]
+            lo, offset = index * R, self.offsets[role.name][index]
+            self.a[role.name][layer, slot, :, lo:lo + r].copy_(a.t())
+            self.b[role.name][layer, slot, lo:lo + r, offset:offset + out].copy_(b.t() * weights.scaling)
+            self.active[role.name][slot] = True
+
+    def clear(self, slot: int) -> None:
+        for role in ROLES:
+            self.a[role.name][:, slot].zero_()
+            self.b[role.name][:, slot].zero_()
+            self.active[role.name][slot] = False
