@@ -46,10 +46,12 @@ class LoRABatch:
         self.segments = []
 
     def add_delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   active: list[bool]) -> torch.Tensor:
-        """``out[rows] += (x[rows] @ a[slot]) @ b[slot]`` for every segment whose slot
-        adapts this projection; ``a [slots, in, r]``, ``b [slots, r, out]``."""
+                   width: list[int]) -> torch.Tensor:
+        """``out[rows] += (x[rows] @ a[slot, :, :w]) @ b[slot, :w]`` for every segment whose
+        slot adapts this projection (``w = width[slot] > 0``); ``a [slots, in, W]``,
+        ``b [slots, W, out]``."""
         for first, end, slot in self.segments:
-            if active[slot]:
-                out[first:end].addmm_(torch.mm(x[first:end], a[slot]), b[slot])
+            w = width[slot]
+            if w:
+                out[first:end].addmm_(torch.mm(x[first:end], a[slot, :, :w]), b[slot, :w])
         return out

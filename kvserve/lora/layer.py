@@ -18,11 +18,11 @@ from kvserve.models.projection import Projection
 class LoRALinear(nn.Module):
     """``y = base(x) + delta``; the delta of each segment's adapter (see ``LoRABatch``)."""
 
-    def __init__(self, base: Projection, a: torch.Tensor, b: torch.Tensor, active: list[bool],
+    def __init__(self, base: Projection, a: torch.Tensor, b: torch.Tensor, width: list[int],
                  batch: LoRABatch):
         super().__init__()
         self.base = base
-        self.a, self.b, self.active, self.batch = a, b, active, batch   # views of the slots: not parameters
+        self.a, self.b, self.width, self.batch = a, b, width, batch   # views of the slots: not parameters
 
     @property
     def out_features(self) -> int:
@@ -34,12 +34,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        return self.batch.add_delta_(self.base(x), x, self.a, self.b, self.active)
+        return self.batch.add_delta_(self.base(x), x, self.a, self.b, self.width)
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T + delta`` in place (the residual stream)."""
         self.base.accumulate_(out, x)
-        return self.batch.add_delta_(out, x, self.a, self.b, self.active)
+        return self.batch.add_delta_(out, x, self.a, self.b, self.width)
 
 
 def apply_lora(model: nn.Module, slots: AdapterSlots, batch: LoRABatch) -> int:

@@ -2,10 +2,12 @@
 
 The model fuses q/k/v into one projection and gate/up into another, so each of the four
 projection roles of a layer gets, per slot, ``A [in, n_sub * R]`` and a block-diagonal
-``B [n_sub * R, out]`` (``R`` = the maximum rank; a smaller rank and any sub-module the
-adapter does not adapt stay zero). The scale is folded into ``B`` and both are stored
-the way ``x @ A @ B`` reads them, so one step's delta for a run of rows of one adapter
-is two small matrix products per projection, whatever the adapter's target subset.
+``B [n_sub * R, out]`` (``R`` = the maximum rank). An adapter of rank ``r`` that adapts
+``k`` of a role's sub-modules fills only the first ``width = k * r`` columns of ``A`` and
+rows of ``B`` (its sub-modules side by side), and products read only those: padding to
+the maximum rank costs memory, never bandwidth. The scale is folded into ``B`` and both
+are stored the way ``x @ A @ B`` reads them, so one step's delta for a run of rows of one
+adapter is two small matrix products per projection, whatever its rank and targets.
 """
 from __future__ import annotations
 
@@ -30,7 +32,6 @@ ROLES = (Role("qkv", ("self_attn", "qkv_proj"), ("q_proj", "k_proj", "v_proj")),
          Role("o", ("self_attn", "o_proj"), ("o_proj",)),
          Role("gate_up", ("mlp", "gate_up_proj"), ("gate_proj", "up_proj")),
          Role("down", ("mlp", "down_proj"), ("down_proj",)))
-ROLE_OF = {module: (role, index) for role in ROLES for index, module in enumerate(role.modules)}
 
 
 class AdapterSlots:
@@ -48,8 +49,8 @@ class AdapterSlots:
             out_dim = sum(s[0] for s in shapes)
             self.a[role.name] = torch.zeros(config.num_layers, num_slots, in_dim, width, device=device, dtype=dtype)
             self.b[role.name] = torch.zeros(config.num_layers, num_slots, width, out_dim, device=device, dtype=dtype)
-        # active[role][slot]: the adapter in the slot adapts this role in some layer
-        self.active: dict[str, list[bool]] = {role.name: [False] * num_slots for role in ROLES}
+        # width[role][slot]: columns of A (rows of B) the slot's adapter uses; 0: role not adapted
+        self.width: dict[str, list[int]] = {role.name: [0] * num_slots for role in ROLES}
 
     @property
     def nbytes(self) -> int:
@@ -59,25 +60,28 @@ class AdapterSlots:
     def slot_nbytes(self) -> int:
         return self.nbytes // self.num_slots
 
-    def layer_view(self, role: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[bool]]:
-        """``A [slots, in, n_sub * R]``, ``B [slots, n_sub * R, out]`` and the active flags
-        of one layer's projection (views: writes to a slot are seen at once)."""
-        return self.a[role][layer], self.b[role][layer], self.active[role]
+    def layer_view(self, role: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """``A [slots, in, n_sub * R]``, ``B [slots, n_sub * R, out]`` and the widths of one
+        layer's projection (views: writes to a slot are seen at once)."""
+        return self.a[role][layer], self.b[role][layer], self.width[role]
 
     def write(self, slot: int, weights: AdapterWeights) -> None:
-        """Copy an adapter into ``slot`` (transposed, scale folded into B, rank zero-padded)."""
+        """Copy an adapter into ``slot``: transposed, scale folded into B, the role's
+        adapted sub-modules (in any layer) side by side in the first columns."""
         self.clear(slot)
-        R = self.max_rank
-        for (layer, module), (a, b) in weights.tensors.items():
-            role, index = ROLE_OF[module]
-            r, out = a.shape[0], b.shape[0]
-            lo, offset = index * R, self.offsets[role.name][index]
-            self.a[role.name][layer, slot, :, lo:lo + r].copy_(a.t())
-            self.b[role.name][layer, slot, lo:lo + r, offset:offset + out].copy_(b.t() * weights.scaling)
-            self.active[role.name][slot] = True
+        r = weights.rank
+        for role in ROLES:
+            adapted = [m for m in role.modules if any(mod == m for _layer, mod in weights.tensors)]
+            self.width[role.name][slot] = len(adapted) * r
+            for (layer, module), (a, b) in weights.tensors.items():
+                if module not in adapted:
+                    continue
+                lo, offset = adapted.index(module) * r, self.offsets[role.name][role.modules.index(module)]
+                self.a[role.name][layer, slot, :, lo:lo + r].copy_(a.t())
+                self.b[role.name][layer, slot, lo:lo + r, offset:offset + b.shape[0]].copy_(b.t() * weights.scaling)
 
     def clear(self, slot: int) -> None:
         for role in ROLES:
             self.a[role.name][:, slot].zero_()
             self.b[role.name][:, slot].zero_()
-            self.active[role.name][slot] = False
+            self.width[role.name][slot] = 0
