@@ -45,13 +45,11 @@ class LoRABatch:
     def end(self) -> None:
         self.segments = []
 
-    def add_delta_(self, out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                   width: list[int]) -> torch.Tensor:
-        """``out[rows] += (x[rows] @ a[slot, :, :w]) @ b[slot, :w]`` for every segment whose
-        slot adapts this projection (``w = width[slot] > 0``); ``a [slots, in, W]``,
-        ``b [slots, W, out]``."""
+    def add_delta_(self, out: torch.Tensor, x: torch.Tensor, views: list) -> torch.Tensor:
+        """``out[rows] += (x[rows] @ A) @ B`` for every segment whose slot adapts this
+        projection; ``views[slot]`` is ``(A [in, w], B [w, out])`` or None."""
         for first, end, slot in self.segments:
-            w = width[slot]
-            if w:
-                out[first:end].addmm_(torch.mm(x[first:end], a[slot, :, :w]), b[slot, :w])
+            ab = views[slot]
+            if ab is not None:
+                out[first:end].addmm_(torch.mm(x[first:end], ab[0]), ab[1])
         return out

@@ -51,6 +51,10 @@ class AdapterSlots:
             self.b[role.name] = torch.zeros(config.num_layers, num_slots, width, out_dim, device=device, dtype=dtype)
         # width[role][slot]: columns of A (rows of B) the slot's adapter uses; 0: role not adapted
         self.width: dict[str, list[int]] = {role.name: [0] * num_slots for role in ROLES}
+        # views[role][layer][slot]: (A[:, :width], B[:width]) of the slot, None if not adapted;
+        # made once per write so that a step's products take them ready-made
+        self.views: dict[str, list[list]] = {role.name: [[None] * num_slots for _ in range(config.num_layers)]
+                                             for role in ROLES}
 
     @property
     def nbytes(self) -> int:
@@ -60,10 +64,10 @@ class AdapterSlots:
     def slot_nbytes(self) -> int:
         return self.nbytes // self.num_slots
 
-    def layer_view(self, role: str, layer: int) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
-        """``A [slots, in, n_sub * R]``, ``B [slots, n_sub * R, out]`` and the widths of one
-        layer's projection (views: writes to a slot are seen at once)."""
-        return self.a[role][layer], self.b[role][layer], self.width[role]
+    def layer_views(self, role: str, layer: int) -> list:
+        """Per slot, ``(A [in, width], B [width, out])`` of one layer's projection or None
+        (the list is updated in place when a slot is written or cleared)."""
+        return self.views[role][layer]
 
     def write(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into ``slot``: transposed, scale folded into B, the role's
@@ -79,9 +83,15 @@ class AdapterSlots:
                 lo, offset = adapted.index(module) * r, self.offsets[role.name][role.modules.index(module)]
                 self.a[role.name][layer, slot, :, lo:lo + r].copy_(a.t())
                 self.b[role.name][layer, slot, lo:lo + r, offset:offset + b.shape[0]].copy_(b.t() * weights.scaling)
+            width = self.width[role.name][slot]
+            for layer, views in enumerate(self.views[role.name]):
+                views[slot] = (self.a[role.name][layer, slot, :, :width],
+                               self.b[role.name][layer, slot, :width]) if width else None
 
     def clear(self, slot: int) -> None:
         for role in ROLES:
             self.a[role.name][:, slot].zero_()
             self.b[role.name][:, slot].zero_()
             self.width[role.name][slot] = 0
+            for views in self.views[role.name]:
+                views[slot] = None
