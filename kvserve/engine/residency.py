@@ -21,6 +21,10 @@ class ResidencyGate(Protocol):
     def acquire(self, seq_id: int) -> bool:
         """Pin what ``seq_id`` needs for as long as it runs; False: not now (it waits)."""
 
+    def share(self, seq_id: int, leader_id: int) -> None:
+        """A sibling forked from a running leader pins what the leader pins (never refused:
+        the leader holds it resident)."""
+
     def release(self, seq_id: int) -> None:
         """It stopped running (preempted): unpin; a no-op if nothing was pinned."""
 
@@ -36,6 +40,9 @@ class OpenGate:
 
     def acquire(self, seq_id: int) -> bool:
         return True
+
+    def share(self, seq_id: int, leader_id: int) -> None:
+        return None
 
     def release(self, seq_id: int) -> None:
         return None

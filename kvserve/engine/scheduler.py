@@ -232,9 +232,8 @@ class Scheduler:
         if not self._make_room(leader, self.kv.fork_blocks_needed(leader, len(children)), plan, scheduled_ids):
             return False
         plan.block_copies.extend(self.kv.fork(leader, children))
-        for child in children:       # the leader holds the adapter resident: this cannot refuse
-            if not self.gate.acquire(child.seq_id):
-                raise AssertionError(f"gate refused sibling {child.seq_id} of a running leader")
+        for child in children:
+            self.gate.share(child.seq_id, leader.seq_id)
             child.status = SeqStatus.RUNNING
             self._seqs[child.seq_id] = child
         leader.pending_fork = []

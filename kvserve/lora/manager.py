@@ -180,6 +180,12 @@ class LoRAManager:
         self._held_back.pop(seq_id, None)
         return True
 
+    def share(self, seq_id: int, leader_id: int) -> None:
+        slot = self._seq_slot.get(leader_id)
+        if slot is not None and seq_id not in self._seq_slot:
+            self._pins[slot] += 1
+            self._seq_slot[seq_id] = slot
+
     def release(self, seq_id: int) -> None:
         slot = self._seq_slot.pop(seq_id, None)
         if slot is not None:
