@@ -6,9 +6,10 @@ decoding builds only the dataclasses registered here, from ints, floats, strings
 lists and dicts.
 
 HTTP -> engine: InitEngine (once, first), EngineRequest (the engine's own request type,
-sent as it is), AbortRequests, StopSequences, ResetPrefixCache, Shutdown. Engine -> HTTP:
-EngineReady (once), StepOutputs, RequestError, EngineStatsUpdate, PrefixCacheReset (the
-answer to ResetPrefixCache).
+sent as it is), AbortRequests, StopSequences, ResetPrefixCache, LoadAdapter, UnloadAdapter,
+Shutdown. Engine -> HTTP: EngineReady or EngineFailed (once), StepOutputs, RequestError,
+EngineStatsUpdate, and the answers to the control messages, in the order those were sent:
+PrefixCacheReset (to ResetPrefixCache), AdapterResult (to LoadAdapter / UnloadAdapter).
 """
 from __future__ import annotations
 
@@ -52,6 +53,17 @@ class EngineReady:
     eos_token_ids: list[int]
     kv_explanation: str
     pid: int
+    adapters: list[dict] = field(default_factory=list)    # EngineCore.list_adapters() at start
+
+
+@dataclass
+class EngineFailed:
+    """Sent instead of EngineReady when the engine cannot be built from its configuration
+    (a bad start-up adapter, an impossible setting): the typed error's status and body.
+    The engine process exits after it."""
+
+    status: int
+    error: dict
 
 
 @dataclass
@@ -78,6 +90,35 @@ class PrefixCacheReset:
     """The answer to ResetPrefixCache: how many cached blocks were dropped."""
 
     num_blocks: int
+
+
+@dataclass
+class LoadAdapter:
+    """Admin: load the PEFT LoRA folder ``path`` as ``name`` (answered by AdapterResult)."""
+
+    name: str
+    path: str
+
+
+@dataclass
+class UnloadAdapter:
+    """Admin: ``name`` no longer selects an adapter; running requests finish with it
+    (answered by AdapterResult)."""
+
+    name: str
+
+
+@dataclass
+class AdapterResult:
+    """The answer to LoadAdapter / UnloadAdapter: ``adapters`` is the engine's list after
+    the operation either way; on success ``status`` is 200 and ``adapter`` the loaded
+    adapter's description (None for an unload), otherwise ``error`` is the OpenAI error
+    body of the engine's typed error."""
+
+    status: int
+    adapters: list[dict]
+    adapter: dict | None = None
+    error: dict | None = None
 
 
 @dataclass
@@ -113,7 +154,8 @@ class RequestError:
 
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     InitEngine, EngineReady, EngineRequest, AbortRequests, StopSequences, Shutdown, EngineStatsUpdate,
-    StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset)}
+    StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset, EngineFailed, LoadAdapter, UnloadAdapter,
+    AdapterResult)}
 
 
 # --------------------------------------------------------------- conversion

@@ -7,7 +7,7 @@ It never sees HTTP, JSON or text.
 Loop (one iteration per engine step)::
 
     read every message already waiting (block only while there is no work)
-      -> add / abort / stop sequences / reset prefix cache / shutdown
+      -> add / abort / stop sequences / reset prefix cache / load or unload an adapter / shutdown
     step the engine if it has work -> send StepOutputs (updates + stats)
     idle: check block-pool integrity, send EngineStats
 
@@ -79,6 +79,8 @@ class EngineLoop:
             self._dirty = True
         elif isinstance(message, codec.ResetPrefixCache):
             self.send(codec.PrefixCacheReset(int(self.engine.reset_prefix_cache())))
+        elif isinstance(message, (codec.LoadAdapter, codec.UnloadAdapter)):
+            self.send(self._adapter_command(message))
         elif isinstance(message, codec.Shutdown):
             self.running = False
         else:
@@ -95,6 +97,25 @@ class EngineLoop:
             return
         self.waiting_ids.add(request.request_id)
         self.tenants[request.request_id] = request.tenant
+
+    def _adapter_command(self, message) -> codec.AdapterResult:
+        """Load or unload an adapter between steps; a refusal is answered with the typed
+        error's body (the engine keeps serving). Sequences already running with an
+        unloaded adapter finish with it."""
+        from kvserve.errors import KVServeError
+        try:
+            if isinstance(message, codec.LoadAdapter):
+                adapter = self.engine.load_adapter(message.name, message.path)
+            else:
+                self.engine.unload_adapter(message.name)
+                adapter = None
+        except KVServeError as err:
+            return codec.AdapterResult(err.http_status, self.engine.list_adapters(), error=err.to_dict())
+        except Exception:                  # a bug or an unreadable file the checks missed
+            logger.exception("%s failed", type(message).__name__)
+            err = KVServeError(f"{type(message).__name__} {message.name!r} failed; see the server log")
+            return codec.AdapterResult(err.http_status, self.engine.list_adapters(), error=err.to_dict())
+        return codec.AdapterResult(200, self.engine.list_adapters(), adapter=adapter)
 
     def _forget(self, request_id: str) -> None:
         self.waiting_ids.discard(request_id)
@@ -176,18 +197,25 @@ def build_engine(engine_config: dict):
 
 
 def serve(sock: socket.socket) -> int:
-    """Load the engine named by the first message, report it, then run the loop."""
+    """Load the engine named by the first message, report it (EngineReady, or EngineFailed
+    and exit code 2 for a configuration the engine refuses), then run the loop."""
+    from kvserve.errors import KVServeError
     init = _read_init(sock)
     cpus = init.engine_config.pop("cpus", None)
     if cpus:
         os.sched_setaffinity(0, set(cpus))
-    engine = build_engine(init.engine_config)
+    try:
+        engine = build_engine(init.engine_config)
+    except KVServeError as err:          # a bad start-up adapter, an impossible setting
+        logger.error("the engine cannot start: %s", err.message)
+        sock.sendall(codec.encode(codec.EngineFailed(err.http_status, err.to_dict())))
+        return 2
     loop = EngineLoop(engine, sock)
     loop.send(codec.EngineReady(
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
         num_blocks=engine.kv.num_blocks, block_size=engine.config.block_size,
         kv_max_tokens=engine.kv_plan.max_tokens, eos_token_ids=sorted(engine.model_config.eos_token_ids),
-        kv_explanation=engine.kv_plan.explanation, pid=os.getpid()))
+        kv_explanation=engine.kv_plan.explanation, pid=os.getpid(), adapters=engine.list_adapters()))
     try:
         loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

@@ -2,8 +2,9 @@
 
 Order of checks for a generation request (all before any response header):
 auth (middleware) -> content type (415) -> body size (413) -> UTF-8 / JSON (400)
--> fields (400, naming the field) -> model (404) -> starting / draining (503)
--> tokenise, context length (400) -> queue bound (503 + Retry-After) -> engine.
+-> fields (400, naming the field) -> model: the base or a LoRA adapter (404)
+-> starting / draining (503) -> tokenise, context length (400) -> queue bound
+(503 + Retry-After) -> engine.
 """
 from __future__ import annotations
 
@@ -18,10 +19,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.errors import KVServeError
-from kvserve.server import protocol
+from kvserve.server import lora, protocol
 from kvserve.server.auth import AuthMiddleware
-from kvserve.server.errors import (BodyTooLargeError, InternalServerError, ModelNotFoundError, NotFoundError,
-                                   ServiceUnavailableError, UnsupportedMediaTypeError)
+from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFoundError, ServiceUnavailableError,
+                                   UnsupportedMediaTypeError)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenSpeller
 from kvserve.server.serving import Generation, prepare_prompts
@@ -42,6 +43,7 @@ class ServingContext:
     max_body_bytes: int = 4 * 2**20
     default_deadline_s: float | None = None
     api_keys: dict[str, str] = field(default_factory=dict)
+    admin_key: str | None = None                   # --admin-api-key: required on the admin routes
     client: object = None                          # EngineClient once started
     active: set = field(default_factory=set)       # Generations in flight
     created: int = field(default_factory=lambda: int(time.time()))
@@ -98,10 +100,11 @@ async def read_json(request: Request, ctx: ServingContext) -> dict:
     return protocol.parse_json_body(b"".join(chunks))
 
 
-def check_model(ctx: ServingContext, model: str | None) -> None:
-    if model is not None and model not in ctx.model_aliases:
-        raise ModelNotFoundError(f"the model {model!r} does not exist; this server serves {ctx.model_name!r}",
-                                 param="model")
+def select_adapter(ctx: ServingContext, model: str | None) -> str | None:
+    """The LoRA adapter a request's ``model`` names (None: the base model); 404 if it names
+    neither the base model nor a loaded adapter (``server/lora.py``)."""
+    adapters = ctx.client.adapters if ctx.client is not None else {}
+    return lora.select_adapter(model, ctx.model_name, ctx.model_aliases, adapters)
 
 
 # -------------------------------------------------------------- generation
@@ -142,10 +145,10 @@ class EventStreamResponse(Response):
 async def generate(request: Request, ctx: ServingContext, kind: str):
     body = await read_json(request, ctx)
     spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
-    check_model(ctx, spec.model)
+    adapter = select_adapter(ctx, spec.model)
     ctx.state.check_accepting(ctx.client)
     prompts = prepare_prompts(spec, ctx.tokenizer, ctx.client.info)
-    generation = Generation(ctx, spec, prompts, request.scope.get("state", {}).get("tenant"))
+    generation = Generation(ctx, spec, prompts, request.scope.get("state", {}).get("tenant"), adapter)
     ctx.state.admit(ctx.client, len(prompts), generation.num_prompt_tokens)
     try:
         generation.submit()
@@ -177,9 +180,11 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/v1/models")
     async def models():
         info = ctx.client.info if ctx.client is not None else None
+        max_model_len = info.max_model_len if info else None
         card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
-                "max_model_len": info.max_model_len if info else None}
-        return {"object": "list", "data": [card]}
+                "max_model_len": max_model_len}
+        adapters = ctx.client.adapters if ctx.client is not None else {}
+        return {"object": "list", "data": [card, *lora.adapter_cards(adapters, ctx.model_name, max_model_len)]}
 
     @app.get("/health")
     async def health():
@@ -210,18 +215,40 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/admin/reset_prefix_cache")
     async def reset_prefix_cache():
         """Admin: drop the engine's prefix-cached blocks (behind the API key when keys are set)."""
-        if ctx.client is None:
-            raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
-        num_blocks = await ctx.client.reset_prefix_cache()
+        num_blocks = await _engine(ctx).reset_prefix_cache()
         logger.info("prefix cache reset: %d cached blocks dropped", num_blocks)
         return {"reset": True}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        """Admin (vLLM's API): load a PEFT LoRA folder under a name requests select as ``model``."""
+        name, path = lora.parse_load_body(await read_json(request, ctx), ctx.model_aliases)
+        adapter = await _engine(ctx).load_adapter(name, path)
+        logger.info("LoRA adapter %r loaded from %s (id %s)", name, adapter["path"], adapter["id"][:12])
+        return {"lora_name": name, "loaded": True, "id": adapter["id"], "path": adapter["path"],
+                "rank": adapter["rank"], "target_modules": adapter["target_modules"]}
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        """Admin (vLLM's API): the name stops selecting the adapter; running requests finish."""
+        name = lora.parse_unload_body(await read_json(request, ctx))
+        await _engine(ctx).unload_adapter(name)
+        logger.info("LoRA adapter %r unloaded", name)
+        return {"lora_name": name, "unloaded": True}
+
+
+def _engine(ctx: ServingContext):
+    """The engine client, or 503 while there is none that runs."""
+    if ctx.client is None or ctx.client.dead or ctx.client.info is None:
+        raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
+    return ctx.client
 
 
 def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         values = protocol.parse_tokenize(await read_json(request, ctx))
-        check_model(ctx, values.get("model"))
+        select_adapter(ctx, values.get("model"))       # adapters share the base model's tokenizer
         if values.get("messages") is not None:
             text = ctx.tokenizer.apply_chat_template(values["messages"], add_generation_prompt=values.get(
                 "add_generation_prompt", True) is not False)
@@ -235,7 +262,7 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.post("/detokenize")
     async def detokenize(request: Request):
         values = protocol.parse_detokenize(await read_json(request, ctx))
-        check_model(ctx, values.get("model"))
+        select_adapter(ctx, values.get("model"))
         bad = [t for t in values["tokens"] if t >= ctx.tokenizer.vocab_size]
         if bad:
             raise protocol.InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
@@ -248,4 +275,4 @@ def build_app(ctx: ServingContext) -> AuthMiddleware:
     _install_error_handlers(app, ctx)
     _add_routes(app, ctx)
     app.state.ctx = ctx
-    return AuthMiddleware(app, ctx.api_keys)
+    return AuthMiddleware(app, ctx.api_keys, ctx.admin_key)

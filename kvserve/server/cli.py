@@ -20,6 +20,9 @@ def register(subparsers) -> None:
     p.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (tenant 'default'); env KVSERVE_API_KEY")
     p.add_argument("--api-keys-file", default=None, help="file of 'KEY TENANT' lines or a JSON {key: tenant}")
+    p.add_argument("--admin-api-key", default=os.environ.get("KVSERVE_ADMIN_API_KEY"),
+                   help="require this key on /admin/* and the LoRA load/unload routes (other keys get 403); "
+                        "env KVSERVE_ADMIN_API_KEY")
     eng = p.add_argument_group("engine")
     eng.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget in GiB")
     eng.add_argument("--max-num-seqs", type=int, default=64)
@@ -40,6 +43,7 @@ def register(subparsers) -> None:
                      help="speculative decoding: n-gram prompt lookup, a draft model sharing the tokenizer, "
                           "or the model's own first layers")
     eng.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step")
+    _add_lora_arguments(p)
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queued-requests", type=int, default=256,
                      help="requests admitted but not yet scheduled; past it: 503 + Retry-After")
@@ -54,8 +58,23 @@ def register(subparsers) -> None:
     p.set_defaults(func=run)
 
 
-def engine_config_from_args(args, model_path: str) -> dict:
-    """EngineConfig fields (plus ``cpus``) for the engine process."""
+def _add_lora_arguments(p) -> None:
+    lora = p.add_argument_group("LoRA adapters (see docs/server.md)")
+    lora.add_argument("--enable-lora", action="store_true",
+                      help="serve LoRA adapters: loaded at start (--lora-modules) or by POST /v1/load_lora_adapter")
+    lora.add_argument("--lora-modules", nargs="+", action="extend", default=None, metavar="NAME=PATH",
+                      help="PEFT adapter folders to load at start, as name=path or vLLM's JSON "
+                           "'{\"name\": ..., \"path\": ...}'; requests select one with model=NAME "
+                           "(implies --enable-lora)")
+    lora.add_argument("--max-loras", type=int, default=4, help="adapters resident at once (slots); default 4")
+    lora.add_argument("--max-cpu-loras", type=int, default=None,
+                      help="adapters kept in host memory (default: 2 x --max-loras)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="the largest adapter rank; default 16")
+
+
+def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] = frozenset()) -> dict:
+    """EngineConfig fields (plus ``cpus``) for the engine process. ``base_aliases``: the
+    base model's names, which no start-up adapter may take (ValueError)."""
     import math
 
     from kvserve.server.launcher import pin_cpus
@@ -67,7 +86,17 @@ def engine_config_from_args(args, model_path: str) -> dict:
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
-            "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus)}
+            "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus),
+            **lora_config(args, base_aliases)}
+
+
+def lora_config(args, base_aliases: frozenset[str] = frozenset()) -> dict:
+    """The LoRA flags as EngineConfig fields (``--lora-modules`` implies ``--enable-lora``)."""
+    from kvserve.server.lora import lora_modules_config
+    modules = lora_modules_config(getattr(args, "lora_modules", None), base_aliases)
+    return {"enable_lora": bool(getattr(args, "enable_lora", False) or modules),
+            "max_loras": getattr(args, "max_loras", 4), "max_cpu_loras": getattr(args, "max_cpu_loras", None),
+            "max_lora_rank": getattr(args, "max_lora_rank", 16), "lora_modules": modules or None}
 
 
 def speculative_config(args):
@@ -115,12 +144,15 @@ def build_server(args):
     name, aliases = model_names(model_path, args.served_model_name)
     limits = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens, args.retry_after,
                              args.stall_timeout)
+    api_keys = load_keys(args.api_key, args.api_keys_file)
+    admin_key = getattr(args, "admin_api_key", None) or None
+    if admin_key is not None and admin_key in api_keys:
+        raise ValueError("--admin-api-key must differ from every API key")
+    engine_config = engine_config_from_args(args, model_path, aliases)
     ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
                          state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
-                         default_deadline_s=args.default_deadline,
-                         api_keys=load_keys(args.api_key, args.api_keys_file))
-    return KVServer(ctx, engine_config_from_args(args, model_path), args.host, args.port,
-                    drain_timeout_s=args.drain_timeout)
+                         default_deadline_s=args.default_deadline, api_keys=api_keys, admin_key=admin_key)
+    return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout)
 
 
 def run(args) -> int:

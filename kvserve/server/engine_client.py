@@ -10,6 +10,11 @@ sends it codec messages, and turns what comes back into per-request events:
 Events put on a request's sink, as ``(tag, event)``: a ``CompletionDelta``, the
 final ``RequestOutput`` (the request finished), or a ``KVServeError`` (the engine
 refused or lost it). Exactly one of the last two ends every request.
+
+Control queries (reset the prefix cache, load / unload an adapter) are answered by the
+engine in the order they were sent, between steps; one FIFO of waiters matches each
+answer to its query (``_query``). The loaded adapters' names, which requests may select
+as ``model``, come with EngineReady and with every adapter answer.
 """
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,7 +35,7 @@ from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import OutputProcessor
 from kvserve.frontend.outputs import RequestOutput
 from kvserve.ipc import codec
-from kvserve.server.errors import ServiceUnavailableError
+from kvserve.server.errors import EngineStartError, ServiceUnavailableError
 from kvserve.server.metrics import ServerMetrics
 
 logger = logging.getLogger("kvserve.server")
@@ -48,6 +54,7 @@ class TrackedRequest:
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)   # per completion index
     num_generated: int = 0
+    adapter: str | None = None            # the LoRA adapter's name (None: the base model)
 
 
 class EngineClient:
@@ -70,7 +77,8 @@ class EngineClient:
         self._writer: asyncio.StreamWriter | None = None
         self._reader_task: asyncio.Task | None = None
         self._pending_stops: list[int] = []
-        self._reset_waiters: list[asyncio.Future] = []     # ResetPrefixCache sent, answer pending
+        self._waiters: deque[tuple[type, asyncio.Future]] = deque()   # control queries sent, answers pending
+        self.adapters: dict[str, dict] = {}                # loaded adapters by name (engine's descriptions)
 
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> codec.EngineReady:
@@ -83,12 +91,18 @@ class EngineClient:
         child.close()
         reader, self._writer = await asyncio.open_unix_connection(sock=parent)
         self._send(codec.InitEngine(self.engine_config))
-        self.info = await asyncio.wait_for(self._read_ready(reader), timeout_s)
+        info = await asyncio.wait_for(self._read_ready(reader), timeout_s)
+        self._set_adapters(info.adapters)
+        self.info = info
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         return self.info
 
     async def _read_ready(self, reader: asyncio.StreamReader) -> codec.EngineReady:
+        """EngineReady; ``EngineStartError`` with the engine's message if it refused its
+        configuration (EngineFailed)."""
         message = await self._read_message(reader)
+        if isinstance(message, codec.EngineFailed):
+            raise EngineStartError(error_from_body(message.status, message.error).message)
         if not isinstance(message, codec.EngineReady):
             raise RuntimeError(f"engine sent {type(message).__name__} before EngineReady")
         return message
@@ -129,7 +143,8 @@ class EngineClient:
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
         request_id, num_prompt = request.request_id, len(request.prompt_token_ids)
-        self.requests[request_id] = TrackedRequest(request_id, sink, tag, num_prompt, arrival)
+        self.requests[request_id] = TrackedRequest(request_id, sink, tag, num_prompt, arrival,
+                                                   adapter=request.adapter_id)
         self.processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.params)
         self.metrics.prompt_tokens.inc(num_prompt)
         self._send(request)
@@ -137,12 +152,54 @@ class EngineClient:
     async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
         """Admin: have the engine drop every prefix-cached block no running request uses;
         how many it dropped."""
+        reply = await self._query(codec.ResetPrefixCache(), codec.PrefixCacheReset, timeout_s)
+        return reply.num_blocks
+
+    async def load_adapter(self, name: str, path: str, timeout_s: float = 120.0) -> dict:
+        """Admin: load the PEFT folder ``path`` as adapter ``name``; its description. The
+        engine's typed error (400 bad adapter or duplicate name) is raised as it is."""
+        reply = await self._query(codec.LoadAdapter(name, path), codec.AdapterResult, timeout_s)
+        if reply.error is not None:
+            raise error_from_body(reply.status, reply.error)
+        return reply.adapter
+
+    async def unload_adapter(self, name: str, timeout_s: float = 120.0) -> None:
+        """Admin: ``name`` stops selecting an adapter (404 if none is loaded under it);
+        requests already running with it finish with it."""
+        reply = await self._query(codec.UnloadAdapter(name), codec.AdapterResult, timeout_s)
+        if reply.error is not None:
+            raise error_from_body(reply.status, reply.error)
+
+    async def _query(self, message, reply_type: type, timeout_s: float):
+        """Send a control message and wait for its answer (answers come in the order the
+        queries were sent; a query that timed out keeps its place, its answer is dropped,
+        but an adapter answer still updates ``adapters``). 503 if no answer in time."""
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
         waiter = asyncio.get_running_loop().create_future()
-        self._reset_waiters.append(waiter)
-        self._send(codec.ResetPrefixCache())
-        return await asyncio.wait_for(waiter, timeout_s)
+        self._waiters.append((reply_type, waiter))
+        self._send(message)
+        try:
+            return await asyncio.wait_for(waiter, timeout_s)
+        except asyncio.TimeoutError:
+            raise ServiceUnavailableError(f"the engine did not answer {type(message).__name__} within "
+                                          f"{timeout_s:g} s", code="engine_timeout") from None
+
+    def _answer(self, reply) -> None:
+        """Hand a control answer to the oldest waiting query (it must be of that type)."""
+        if isinstance(reply, codec.AdapterResult):
+            self._set_adapters(reply.adapters)
+        if not self._waiters:
+            raise codec.CodecError(f"unexpected {type(reply).__name__}: no query is waiting")
+        reply_type, waiter = self._waiters[0]
+        if not isinstance(reply, reply_type):      # a protocol bug: the read loop drops the engine
+            raise codec.CodecError(f"got {type(reply).__name__}, expected {reply_type.__name__}")
+        self._waiters.popleft()
+        if not waiter.done():
+            waiter.set_result(reply)
+
+    def _set_adapters(self, adapters: list[dict]) -> None:
+        self.adapters = {a["name"]: a for a in adapters}
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """End a request now (client gone, deadline, drain): the engine frees its blocks before
@@ -192,20 +249,13 @@ class EngineClient:
         elif isinstance(message, codec.EngineStatsUpdate):
             self.stats = message.stats
             self.metrics.update_engine(message.stats)
-        elif isinstance(message, codec.PrefixCacheReset):
-            if self._reset_waiters:                 # answers come in the order of the requests
-                waiter = self._reset_waiters.pop(0)
-                if not waiter.done():
-                    waiter.set_result(message.num_blocks)
+        elif isinstance(message, (codec.PrefixCacheReset, codec.AdapterResult)):
+            self._answer(message)
         elif isinstance(message, codec.RequestError):
             tracked = self.requests.pop(message.request_id, None)
             self.processor.abort_request(message.request_id)
             if tracked is not None:
-                err = KVServeError(message.error["error"]["message"], param=message.error["error"].get("param"),
-                                   code=message.error["error"].get("code"))
-                err.http_status = message.status
-                err.error_type = message.error["error"].get("type", err.error_type)
-                tracked.sink.put_nowait((tracked.tag, err))
+                tracked.sink.put_nowait((tracked.tag, error_from_body(message.status, message.error)))
 
     def _on_step(self, message: codec.StepOutputs) -> None:
         now = time.monotonic()
@@ -242,6 +292,8 @@ class EngineClient:
         self.last_token_time = now
         tracked.num_generated += count
         self.metrics.generation_tokens.inc(count)
+        if tracked.adapter is not None:
+            self.metrics.lora.generation_tokens.inc(count, adapter=tracked.adapter)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
             self.metrics.ttft.observe(now - tracked.arrival)
@@ -253,8 +305,8 @@ class EngineClient:
         tracked.last_token_time[index] = now
 
     def _engine_gone(self) -> None:
-        waiters, self._reset_waiters = self._reset_waiters, []
-        for waiter in waiters:
+        waiters, self._waiters = self._waiters, deque()
+        for _reply_type, waiter in waiters:
             if not waiter.done():
                 waiter.set_exception(ServiceUnavailableError("the engine process is gone",
                                                              code="engine_unavailable"))
@@ -271,3 +323,12 @@ class EngineClient:
                 "the engine process exited unexpectedly", code="engine_unavailable")))
         if self.on_dead is not None:
             self.on_dead()
+
+
+def error_from_body(status: int, body: dict) -> KVServeError:
+    """The typed error an engine answer carries (``{"error": {...}}`` and its HTTP status)."""
+    fields = body["error"]
+    err = KVServeError(fields["message"], param=fields.get("param"), code=fields.get("code"))
+    err.http_status = status
+    err.error_type = fields.get("type", err.error_type)
+    return err

@@ -76,3 +76,20 @@ class InternalServerError(KVServeError):
     http_status = 500
     error_type = "server_error"
     code = "internal_error"
+
+
+class PermissionDeniedError(KVServeError):
+    """A valid key on a route it may not use: an admin route when --admin-api-key is set (403)."""
+
+    http_status = 403
+    error_type = "permission_error"
+    code = "permission_denied"
+
+
+class EngineStartError(KVServeError):
+    """The engine process refused its configuration at start (a bad --lora-modules adapter,
+    an impossible setting): the server exits 2 with this message."""
+
+    http_status = 500
+    error_type = "server_error"
+    code = "engine_start_failed"

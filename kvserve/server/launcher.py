@@ -8,6 +8,8 @@ Lifecycle::
         the engine is told to exit; exit code 0.  A second SIGINT forces the exit.
     engine process dies: every in-flight request gets an error at once (EOF on the
         engine socket), /ready 503, and the server exits with code 1 (for a supervisor).
+    engine refuses its configuration at start (a bad --lora-modules adapter): the
+        message goes to stderr and the server exits with code 2, as for a bad flag.
 """
 from __future__ import annotations
 
@@ -16,12 +18,14 @@ import contextlib
 import logging
 import os
 import signal
+import sys
 import time
 
 import uvicorn
 
 from kvserve.server.app import ServingContext, build_app
 from kvserve.server.engine_client import EngineClient
+from kvserve.server.errors import EngineStartError
 
 logger = logging.getLogger("kvserve.server")
 EXIT_GRACE_S = 0.5            # let error responses flush before stopping after an engine death
@@ -89,15 +93,22 @@ class KVServer:
         self.ctx.client = client
         try:
             info = await client.start(self.engine_start_timeout_s)
+        except EngineStartError as err:   # the engine refused its configuration: a usage error
+            print(f"kvserve serve: {err.message}", file=sys.stderr, flush=True)
+            self._fail_start(f"the engine refused its configuration: {err.message}", 2)
+            return
         except Exception as exc:          # model missing, engine crashed while loading, timeout
             logger.error("the engine failed to start: %r", exc)
-            self.ctx.state.startup_error = f"the engine failed to start: {exc!r}"
-            self.ctx.state.engine_dead = True
-            self.exit_code = 1
-            self.uvicorn.should_exit = True
+            self._fail_start(f"the engine failed to start: {exc!r}", 1)
             return
         logger.info("engine ready (pid %d): %s", info.pid, info.kv_explanation)
         self.ctx.state.engine_ready = True
+
+    def _fail_start(self, reason: str, exit_code: int) -> None:
+        self.ctx.state.startup_error = reason
+        self.ctx.state.engine_dead = True
+        self.exit_code = exit_code
+        self.uvicorn.should_exit = True
 
     def _on_engine_dead(self) -> None:
         self.ctx.state.engine_dead = True

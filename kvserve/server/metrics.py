@@ -6,9 +6,10 @@ optional labels) owned by one ServerMetrics object per server: no global registr
 from __future__ import annotations
 
 import math
+import time
 from bisect import bisect_left
 
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import AdapterCounters, EngineStats
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
                      0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
@@ -61,6 +62,10 @@ class Gauge(Counter):
     def set(self, value: float, **labels: str) -> None:
         self.values[tuple(sorted(labels.items()))] = value
 
+    def replace(self, value: float, **labels: str) -> None:
+        """Make this label set the gauge's only sample (an info-style gauge)."""
+        self.values = {tuple(sorted(labels.items())): value}
+
 
 class Histogram:
     """Observations counted in cumulative buckets, with their sum and count."""
@@ -87,6 +92,53 @@ class Histogram:
         lines.append(f"{self.name}_sum {_number(self.sum)}")
         lines.append(f"{self.name}_count {self.count}")
         return lines
+
+
+class LoRAMetrics:
+    """LoRA adapters: the engine's tiers and loads (``EngineStats.adapters``), vLLM's
+    ``lora_requests_info`` convention, and per-adapter counters kept by the HTTP process
+    (it knows each request's adapter). Rendered once the engine reports LoRA on."""
+
+    def __init__(self):
+        g, c = Gauge, Counter
+        self.loaded = g("kvserve_lora_adapters_loaded", "Adapter names requests may select.")
+        self.resident = g("kvserve_lora_adapters_resident", "Adapters in resident slots (the forward reads them).")
+        self.host = g("kvserve_lora_adapters_host", "Adapters whose weights are in host memory.")
+        self.max_resident = g("kvserve_lora_max_resident", "Resident adapter slots (--max-loras).")
+        self.max_host = g("kvserve_lora_max_host", "Adapters host memory holds (--max-cpu-loras).")
+        self.waiting_for_slot = g("kvserve_lora_num_waiting_for_slot",
+                                  "Sequences held back because no adapter slot was free.")
+        self.disk_loads = c("kvserve_lora_disk_loads_total", "Adapter reads from disk into host memory.")
+        self.slot_loads = c("kvserve_lora_slot_loads_total", "Adapter copies from host memory into a slot.")
+        self.slot_evictions = c("kvserve_lora_slot_evictions_total", "Resident adapters replaced by another.")
+        self.host_evictions = c("kvserve_lora_host_evictions_total", "Adapters dropped from host memory (LRU).")
+        self.load_seconds = c("kvserve_lora_load_seconds_total", "Time spent loading adapters, by tier "
+                              "(disk: disk -> host memory; slot: host memory -> resident slot).")
+        self.info = g("kvserve_lora_requests_info", "vLLM's lora_requests_info: the labels name the adapters "
+                      "with running and with waiting sequences; the value is the Unix time of the update.")
+        self.requests = c("kvserve_lora_requests_total", "HTTP generation requests admitted, by adapter.")
+        self.generation_tokens = c("kvserve_lora_generation_tokens_total", "Tokens generated, by adapter.")
+        self.all = [self.loaded, self.resident, self.host, self.max_resident, self.max_host, self.waiting_for_slot,
+                    self.disk_loads, self.slot_loads, self.slot_evictions, self.host_evictions,
+                    self.load_seconds, self.info, self.requests, self.generation_tokens]
+
+    def update(self, counters: AdapterCounters, now: float) -> None:
+        """Mirror the engine's adapter gauges and counters."""
+        self.loaded.set(counters.num_registered)
+        self.resident.set(counters.num_resident)
+        self.host.set(counters.num_host)
+        self.max_resident.set(counters.max_resident)
+        self.max_host.set(counters.max_host)
+        self.waiting_for_slot.set(counters.num_waiting_for_slot)
+        self.disk_loads.set_total(counters.num_disk_loads)
+        self.slot_loads.set_total(counters.num_slot_loads)
+        self.slot_evictions.set_total(counters.num_slot_evictions)
+        self.host_evictions.set_total(counters.num_host_evictions)
+        self.load_seconds.set_total(counters.disk_load_seconds, tier="disk")
+        self.load_seconds.set_total(counters.slot_load_seconds, tier="slot")
+        self.info.replace(now, max_lora=str(counters.max_resident),
+                          running_lora_adapters=",".join(counters.running_adapters),
+                          waiting_lora_adapters=",".join(counters.waiting_adapters))
 
 
 class ServerMetrics:
@@ -132,6 +184,8 @@ class ServerMetrics:
         self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
+        self.lora = LoRAMetrics()
+        self.lora_enabled = False                 # set once the engine's stats say LoRA is on
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
                      self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
@@ -164,10 +218,13 @@ class ServerMetrics:
             self.spec_mean_len.set(spec.mean_accepted_length)
             for position, count in enumerate(spec.accepted_per_position):
                 self.spec_accepted_pos.set_total(count, position=str(position))
+        if stats.adapters.enabled:
+            self.lora_enabled = True
+            self.lora.update(stats.adapters, time.time())
 
     def render(self) -> str:
         lines = []
-        for metric in self._all:
+        for metric in self._all + (self.lora.all if self.lora_enabled else []):
             lines.append(f"# HELP {metric.name} {metric.help}")
             lines.append(f"# TYPE {metric.name} {metric.kind}")
             lines.extend(metric.render())

@@ -82,17 +82,20 @@ def check_context(token_ids: list[int], spec: GenerateSpec, info, param: str) ->
 
 # ----------------------------------------------------------------- handler
 class Generation:
-    """The engine requests of one HTTP request and the events that come back."""
+    """The engine requests of one HTTP request and the events that come back. ``adapter``
+    is the LoRA adapter's name the request's model selected (None: the base model); the
+    responses name it as their model."""
 
-    def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None):
-        self.ctx, self.spec, self.prompts, self.tenant = ctx, spec, prompts, tenant
+    def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None,
+                 adapter: str | None = None):
+        self.ctx, self.spec, self.prompts, self.tenant, self.adapter = ctx, spec, prompts, tenant, adapter
         prefix = "cmpl" if spec.kind == "completion" else "chatcmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.sink: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.engine_ids = [f"{self.id}-{i}-{next(_ids)}" for i in range(len(prompts))]
         self.outputs: dict[int, RequestOutput] = {}
-        self.builder = ResponseBuilder(spec.kind, self.id, ctx.model_name, ctx.speller, spec.logprobs,
+        self.builder = ResponseBuilder(spec.kind, self.id, adapter or ctx.model_name, ctx.speller, spec.logprobs,
                                        spec.params.n)
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
@@ -110,11 +113,14 @@ class Generation:
         for tag, (engine_id, prompt) in enumerate(zip(self.engine_ids, self.prompts)):
             request = EngineRequest(engine_id, prompt.token_ids, spec.params,
                                     frozenset(self.ctx.tokenizer.eos_token_ids), spec.priority, self.tenant,
-                                    cache_salt=cache_salt(self.tenant), use_prefix_cache=spec.use_prefix_cache,
+                                    cache_salt=cache_salt(self.tenant), adapter_id=self.adapter,
+                                    use_prefix_cache=spec.use_prefix_cache,
                                     num_speculative_tokens=spec.num_speculative_tokens)
             self.ctx.client.submit(request, prompt.text, self.sink, tag, self.arrival)
-        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r", self.id, len(self.prompts),
-                     self.num_prompt_tokens, self.spec.user, self.tenant)
+        if self.adapter is not None:
+            self.ctx.metrics.lora.requests.inc(adapter=self.adapter)
+        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r, adapter=%r", self.id,
+                     len(self.prompts), self.num_prompt_tokens, self.spec.user, self.tenant, self.adapter)
         deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s
         if deadline_s:
             loop = asyncio.get_running_loop()
