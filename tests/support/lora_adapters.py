@@ -114,3 +114,16 @@ def synthetic_adapter(folder, model_config, r: int = 2, alpha: float = 4, target
     """A consistent hand-written adapter (config and tensors agree)."""
     return write_adapter(folder, {"r": r, "lora_alpha": alpha, "target_modules": list(targets), **config},
                          synthetic_tensors(model_config, r, targets, seed=seed))
+
+
+def hf_skeleton(model_config):
+    """A randomly initialised transformers Llama with the projection shapes of
+    ``model_config`` (a tiny vocabulary): enough for ``make_adapter`` to make adapters
+    that fit that model, without loading its weights (seconds for the default GGUF)."""
+    import transformers
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=model_config.hidden_size, intermediate_size=model_config.intermediate_size,
+        num_hidden_layers=model_config.num_layers, num_attention_heads=model_config.num_heads,
+        num_key_value_heads=model_config.num_kv_heads, head_dim=model_config.head_dim,
+        max_position_embeddings=256)
+    return transformers.LlamaForCausalLM(config).eval()
