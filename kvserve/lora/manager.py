@@ -141,14 +141,15 @@ class LoRAManager:
     def _host_put(self, key: str, weights: AdapterWeights) -> None:
         self._host[key] = weights
         self._host.move_to_end(key)
-        self._trim_host()
+        self._trim_host(keep=key)
 
-    def _trim_host(self) -> None:
+    def _trim_host(self, keep: str | None = None) -> None:
         """Drop least recently used weights no live sequence needs: unregistered ones
-        always, the rest down to ``max_host``."""
+        always, the rest down to ``max_host``. ``keep`` (just read for a request that
+        is about to register) is never dropped."""
         registered = {r.key for r in self._names.values()}
         for key in list(self._host):
-            if self._live.get(key, 0):
+            if self._live.get(key, 0) or key == keep:
                 continue
             if key not in registered or len(self._host) > self.max_host:
                 del self._host[key]

@@ -29,6 +29,7 @@ from kvserve.errors import AdapterLoadError
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.\w+)?\.weight$")
+PEFT_DEFAULT_ALPHA = 8          # peft.LoraConfig.lora_alpha when a config leaves it out
 UNSUPPORTED_FLAGS = {"use_dora": "DoRA (use_dora)", "fan_in_fan_out": "fan_in_fan_out weights",
                      "use_qalora": "QA-LoRA"}
 
@@ -145,7 +146,7 @@ def load_peft_adapter(path: str, model: ModelConfig, max_rank: int) -> AdapterWe
     if odd is not None:
         raise AdapterLoadError(f"{path!r}: layer {odd[0]} {odd[1]} has rank {tensors[odd][0].shape[0]}, the "
                                f"config says r={declared}", param="lora_path")
-    alpha = float(config.get("lora_alpha", declared))
+    alpha = float(config.get("lora_alpha", PEFT_DEFAULT_ALPHA))     # as peft.LoraConfig when absent
     use_rslora = bool(config.get("use_rslora", False))
     scaling = alpha / math.sqrt(declared) if use_rslora else alpha / declared
     weights = AdapterWeights(os.path.abspath(path), declared, alpha, use_rslora, scaling, tensors)

@@ -32,13 +32,14 @@ class SchedulerHarness:
     """A scheduler, its KV manager and the record of what each step produced."""
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
-                 grace_s: float = 0.0, prefix_cache: bool = False, max_model_len: int | None = None):
+                 grace_s: float = 0.0, prefix_cache: bool = False, max_model_len: int | None = None,
+                 gate=None):
         self.pool = BlockPool(num_blocks, block_size)
         self.clock = Clock()
         self.cache = PrefixCache(self.pool, clock=self.clock) if prefix_cache else None
         self.kv = KVCacheManager(self.pool, self.cache)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, grace_s), self.kv, max_model_len,
-                               frozenset([EOS]))
+                               frozenset([EOS]), gate)       # gate: a ResidencyGate (None: open)
         self.seqs: list[Sequence] = []
         self.plans: list[StepPlan] = []
         self.updates = []
