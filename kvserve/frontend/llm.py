@@ -125,7 +125,12 @@ class LLM:
         per_prompt = [lora_request] * count if isinstance(lora_request, LoRARequest) else list(lora_request)
         if len(per_prompt) != count:
             raise InvalidRequestError("need one LoRARequest (or None) per prompt", param="lora_request")
-        for lora in {r for r in per_prompt if r is not None}:
+        chosen: dict[str, LoRARequest] = {}
+        for lora in (r for r in per_prompt if r is not None):
+            if chosen.setdefault(lora.name, lora).path != lora.path:
+                raise InvalidRequestError(f"adapter {lora.name!r} is named with two paths in one call",
+                                          param="lora_request")
+        for lora in chosen.values():
             self.load_lora(lora)
         return [r.name if r is not None else adapter_id for r in per_prompt]
 
