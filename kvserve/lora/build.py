@@ -21,7 +21,7 @@ def build_lora(settings: LoRASettings, model, model_config: ModelConfig, device:
     adapters (a bad one is an ``AdapterLoadError`` at start)."""
     slots = AdapterSlots(model_config, settings.max_loras, settings.max_lora_rank, device, dtype)
     manager = LoRAManager(model_config, slots, settings.max_cpu_loras)
-    batch = LoRABatch(manager.slot_of)
+    batch = LoRABatch(manager.slot_of, device)
     apply_lora(model, slots, batch)
     logger.info("LoRA: %d resident slots of rank <= %d (%.1f MB each, %.1f MB in all), host tier %d adapters",
                 slots.num_slots, slots.max_rank, slots.slot_nbytes / 1e6, slots.nbytes / 1e6,

@@ -11,17 +11,17 @@ import torch
 from torch import nn
 
 from kvserve.lora.batch import LoRABatch
-from kvserve.lora.slots import ROLES, AdapterSlots
+from kvserve.lora.slots import ROLES, AdapterSlots, LayerSlots
 from kvserve.models.projection import Projection
 
 
 class LoRALinear(nn.Module):
     """``y = base(x) + delta``; the delta of each segment's adapter (see ``LoRABatch``)."""
 
-    def __init__(self, base: Projection, views: list, batch: LoRABatch):
+    def __init__(self, base: Projection, slots: LayerSlots, batch: LoRABatch):
         super().__init__()
         self.base = base
-        self.views, self.batch = views, batch      # per slot (A, B) views of the slots: not parameters
+        self.slots, self.batch = slots, batch      # views of the resident slots: not parameters
 
     @property
     def out_features(self) -> int:
@@ -33,12 +33,12 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
-        return self.batch.add_delta_(self.base(x), x, self.views)
+        return self.batch.add_delta_(self.base(x), x, self.slots)
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T + delta`` in place (the residual stream)."""
         self.base.accumulate_(out, x)
-        return self.batch.add_delta_(out, x, self.views)
+        return self.batch.add_delta_(out, x, self.slots)
 
 
 def apply_lora(model: nn.Module, slots: AdapterSlots, batch: LoRABatch) -> int:
@@ -50,6 +50,6 @@ def apply_lora(model: nn.Module, slots: AdapterSlots, batch: LoRABatch) -> int:
             base = getattr(owner, role.path[1])
             if isinstance(base, LoRALinear):
                 raise ValueError("the model's projections are already LoRA-wrapped")
-            setattr(owner, role.path[1], LoRALinear(base, slots.layer_views(role.name, index), batch))
+            setattr(owner, role.path[1], LoRALinear(base, slots.layer(role.name, index), batch))
             wrapped += 1
     return wrapped

@@ -20,6 +20,18 @@ from kvserve.lora.peft_format import AdapterWeights, module_shape
 
 
 @dataclass(frozen=True)
+class LayerSlots:
+    """One layer's projection across the slots: the stacks (for batched products over a
+    range of slots), each slot's width, and per slot its ``(A, B)`` views or None. The
+    lists are the pool's own, updated in place when a slot is written or cleared."""
+
+    a: torch.Tensor                 # [slots, in, W]
+    b: torch.Tensor                 # [slots, W, out]
+    width: list[int]
+    views: list
+
+
+@dataclass(frozen=True)
 class Role:
     """One fused projection of a layer and the PEFT modules it is made of, in output order."""
 
@@ -63,6 +75,10 @@ class AdapterSlots:
     @property
     def slot_nbytes(self) -> int:
         return self.nbytes // self.num_slots
+
+    def layer(self, role: str, layer: int) -> LayerSlots:
+        """Everything one layer's ``LoRALinear`` reads (see ``LayerSlots``)."""
+        return LayerSlots(self.a[role][layer], self.b[role][layer], self.width[role], self.views[role][layer])
 
     def layer_views(self, role: str, layer: int) -> list:
         """Per slot, ``(A [in, width], B [width, out])`` of one layer's projection or None

@@ -158,3 +158,29 @@ def test_apply_lora_twice_is_refused(wrapped):
     slots = AdapterSlots(MC, 1, MAX_RANK, "cpu", torch.float32)
     with pytest.raises(ValueError, match="already LoRA-wrapped"):
         apply_lora(model, slots, batch)
+
+
+@pytest.mark.parametrize("rows_per_item", [
+    [1, 1, 1, 1],          # decodes of two adapters: one batched product over both slots, no padding
+    [12, 1, 3, 1],         # a prefill chunk of "small" (its own products) beside short rows of "full"
+    [2, 5, 1, 1],          # short segments of unequal length: padded batched product
+])
+def test_long_and_short_segments_give_the_formula(wrapped, rows_per_item):
+    model, batch, weight, adapters = wrapped
+    keys = ["small", "small", "full", None]
+    items = batch.order([item(i, key, n) for i, (key, n) in enumerate(zip(keys, rows_per_item))])
+    counts = [s.num_tokens for s in items]
+    row_keys = [s.adapter_key for s, n in zip(items, counts) for _ in range(n)]
+    batch.begin(items, counts)
+    try:
+        assert (len(batch.runs) == 1) == (max(counts) <= 8)   # both adapters short: one run
+        for layer_index, layer in enumerate(model.layers):
+            for role in ROLES:
+                proj = getattr(getattr(layer, role.path[0]), role.path[1])
+                x = torch.randn(len(row_keys), proj.in_features)
+                out = proj(x)
+                for row, key in enumerate(row_keys):
+                    want = expected(x[row:row + 1], layer_index, role, weight, adapters.get(key))
+                    assert torch.allclose(out[row:row + 1].double(), want, atol=1e-4), (layer_index, role, row)
+    finally:
+        batch.end()
