@@ -74,8 +74,7 @@ class EngineCore:
         """Validate and queue a request; its ``params.n`` sequences share its prompt blocks.
         ``request.adapter_id`` names an adapter; it runs with whatever is loaded under
         that name now (its identity is fixed here, a later reload does not change it)."""
-        self.validate_request(request)
-        self.scheduler.add_request(request, self.adapter_key(request.adapter_id))
+        self.scheduler.add_request(request, self.validate_request(request))
 
     def adapter_key(self, name: str | None) -> str | None:
         """The identity of the adapter loaded as ``name`` (None: the base weights)."""
@@ -86,15 +85,16 @@ class EngineCore:
                                        "on this engine", param="model")
         return self.adapters.resolve(name)
 
-    def validate_request(self, request: EngineRequest) -> None:
-        """Raise a typed error if this request cannot run here; changes nothing."""
-        if request.adapter_id is not None:
-            self.adapter_key(request.adapter_id)
+    def validate_request(self, request: EngineRequest) -> str | None:
+        """Raise a typed error if this request cannot run here; changes nothing. Returns
+        the identity of the adapter it would run with (None: the base weights)."""
+        key = self.adapter_key(request.adapter_id) if request.adapter_id is not None else None
         request.params.validate()
         check_token_ids(request.prompt_token_ids, self.limits.vocab_size)
         check_logit_bias(request.params.logit_bias, self.limits.vocab_size)
         check_context(len(request.prompt_token_ids), request.params.max_tokens, self.limits)
         check_grace_s(request.prefix_cache_grace_s)
+        return key
 
     def abort_request(self, request_id: str) -> list[SeqUpdate]:
         """Abort every sequence of a request now; their blocks are freed at once."""

@@ -80,11 +80,6 @@ class AdapterSlots:
         """Everything one layer's ``LoRALinear`` reads (see ``LayerSlots``)."""
         return LayerSlots(self.a[role][layer], self.b[role][layer], self.width[role], self.views[role][layer])
 
-    def layer_views(self, role: str, layer: int) -> list:
-        """Per slot, ``(A [in, width], B [width, out])`` of one layer's projection or None
-        (the list is updated in place when a slot is written or cleared)."""
-        return self.views[role][layer]
-
     def write(self, slot: int, weights: AdapterWeights) -> None:
         """Copy an adapter into ``slot``: transposed, scale folded into B, the role's
         adapted sub-modules (in any layer) side by side in the first columns."""

@@ -193,13 +193,13 @@ def test_slot_holds_the_scaled_transposed_adapter(tmp_path):
     weights, slot = m._host[k["a"]], m.slot_of(k["a"])
     a, b = weights.tensors[(1, "v_proj")]
     r, v_offset = weights.rank, MC.num_heads * MC.head_dim + MC.num_kv_heads * MC.head_dim
-    a_slot, b_slot = m.slots.layer_views("qkv", 1)[slot]
+    a_slot, b_slot = m.slots.layer("qkv", 1).views[slot]
     # q and v adapted, k not: side by side in the first 2 r columns, v second
     assert a_slot.shape[1] == b_slot.shape[0] == 2 * r == m.slots.width["qkv"][slot]
     assert torch.equal(a_slot[:, r:2 * r], a.t())
     assert torch.allclose(b_slot[r:2 * r, v_offset:], b.t() * weights.scaling)
     assert not b_slot[r:2 * r, :v_offset].any()            # v's rows write v's columns only
-    assert m.slots.layer_views("o", 1)[slot] is None and m.slots.width["o"][slot] == 0
+    assert m.slots.layer("o", 1).views[slot] is None and m.slots.width["o"][slot] == 0
 
 
 # ------------------------------------------------------------ with a scheduler
