@@ -13,6 +13,8 @@ from kvserve.errors import InvalidRequestError
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
+QUANTIZATIONS = ("none", "int8", "int4")
+QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,9 @@ class EngineConfig:
 
     model: str | None = None              # .gguf file, HF folder, or None for the default model
     device: str = "auto"                  # "cpu", "cuda", "auto"
-    dtype: str = "auto"                   # "float32", "bfloat16", "float16", "auto" (fp32 CPU, bf16 GPU)
+    dtype: str = "auto"                   # "float32", "bfloat16", "float16", "auto" (GPU bf16; CPU: measured)
+    quantization: str = "none"            # weight-only: "none", "int8" (per channel), "int4" (grouped)
+    kv_cache_dtype: str = "auto"          # "auto" (= dtype), "int8", "fp8_e4m3", "fp8_e5m2"
     kv_cache_bytes: int | None = None     # KV memory budget; None = default_kv_budget_bytes
     block_size: int = 16
     max_num_seqs: int = 64
@@ -59,6 +63,9 @@ class ResolvedConfig:
     enable_prefix_cache: bool
     scheduler: SchedulerConfig
     lora: "LoRASettings | None" = None    # None: LoRA off
+    quantization: str = "none"            # "none", "int8", "int4"
+    kv_cache_dtype: str = "float32"       # a DTYPE_NAMES value or one of QUANTIZED_KV_DTYPES
+    dtype_reason: str = ""                # why ``dtype`` was chosen (logged at start)
 
 
 @dataclass(frozen=True)
@@ -71,19 +78,19 @@ class LoRASettings:
     lora_modules: tuple[tuple[str, str], ...] = ()
 
 
-def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool) -> ResolvedConfig:
-    """Fill the auto values: device (CUDA if there is one), dtype (fp32 on CPU, bf16 on
-    GPU), context (the checkpoint's, never more). Raises ``InvalidRequestError`` for a
+def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
+            pick_cpu_dtype=None) -> ResolvedConfig:
+    """Fill the auto values: device (CUDA if there is one), dtype (bf16 on GPU; on CPU
+    ``pick_cpu_dtype()`` -> (name, reason), fp32 without one), KV dtype (the compute
+    dtype), context (the checkpoint's, never more). Raises ``InvalidRequestError`` for a
     setting that cannot work."""
     check_grace_s(config.prefix_cache_grace_s)
     device = ("cuda" if cuda_available else "cpu") if config.device == "auto" else config.device
-    if config.dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    elif config.dtype in DTYPE_NAMES:
-        dtype = DTYPE_NAMES[config.dtype]
-    else:
-        raise InvalidRequestError(f"unknown dtype {config.dtype!r}; choose from {sorted(DTYPE_NAMES)}",
-                                  param="dtype")
+    dtype, reason = resolve_dtype(config.dtype, device, pick_cpu_dtype)
+    if config.quantization not in QUANTIZATIONS:
+        raise InvalidRequestError(f"unknown quantization {config.quantization!r}; choose from "
+                                  f"{list(QUANTIZATIONS)}", param="quantization")
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
     for name in ("block_size", "max_num_seqs", "max_num_batched_tokens"):
         if getattr(config, name) < 1:
             raise InvalidRequestError(f"{name} must be >= 1", param=name)
@@ -94,7 +101,36 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool) -> R
         attention_backend=config.attention_backend, seed=config.seed,
         enable_prefix_cache=config.enable_prefix_cache,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
-                                  config.prefix_cache_grace_s))
+                                  config.prefix_cache_grace_s),
+        quantization=config.quantization, kv_cache_dtype=kv_dtype, dtype_reason=reason)
+
+
+def resolve_dtype(name: str, device: str, pick_cpu_dtype=None) -> tuple[str, str]:
+    """(compute dtype, why): as asked, or for "auto" bf16 on GPU and on CPU what
+    ``pick_cpu_dtype()`` measured (fp32 when no picker is given)."""
+    if name == "auto":
+        if device.startswith("cuda"):
+            return "bfloat16", "auto: bf16 on GPU"
+        if pick_cpu_dtype is None:
+            return "float32", "auto: fp32 on CPU"
+        return pick_cpu_dtype()
+    if name not in DTYPE_NAMES:
+        raise InvalidRequestError(f"unknown dtype {name!r}; choose from {sorted(DTYPE_NAMES)}", param="dtype")
+    return DTYPE_NAMES[name], "as configured"
+
+
+def resolve_kv_dtype(name: str, dtype: str) -> str:
+    """The KV cache's storage dtype: "auto" is the compute dtype; or a float dtype name,
+    or one of the 8-bit formats (which carry scales, see ``kvserve.engine.kv.quantized``)."""
+    if name == "auto":
+        return dtype
+    if name in QUANTIZED_KV_DTYPES:
+        return name
+    if name in DTYPE_NAMES:
+        return DTYPE_NAMES[name]
+    raise InvalidRequestError(f"unknown kv_cache_dtype {name!r}; choose from "
+                              f"{['auto', *QUANTIZED_KV_DTYPES, *sorted(set(DTYPE_NAMES.values()))]}",
+                              param="kv_cache_dtype")
 
 
 def resolve_lora(config: EngineConfig) -> LoRASettings | None:

@@ -27,6 +27,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
+    p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                   help="weight-only quantisation of the projections")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"])
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="do not reuse KV blocks across prompts (the prefix cache is on by default)")
     p.add_argument("--json", action="store_true", help="print one JSON object per prompt")
@@ -58,7 +62,8 @@ def run(args) -> int:
         kv_bytes = int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None
         llm = LLM(args.model, kv_cache_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
-                  enable_prefix_cache=args.prefix_cache)
+                  enable_prefix_cache=args.prefix_cache, dtype=args.dtype, quantization=args.quantization,
+                  kv_cache_dtype=args.kv_cache_dtype)
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                 stop=args.stop)

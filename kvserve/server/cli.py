@@ -32,7 +32,12 @@ def register(subparsers) -> None:
     eng.add_argument("--engine-cpus", default=None, help="pin the engine process to these CPUs, e.g. 0 or 0-1")
     eng.add_argument("--http-cpus", default=None, help="pin the HTTP process to these CPUs")
     eng.add_argument("--device", default="auto")
-    eng.add_argument("--dtype", default="auto")
+    eng.add_argument("--dtype", default="auto",
+                     help="float32 | bfloat16 | float16 | auto (GPU bf16; CPU: bf16 where it measures faster)")
+    eng.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
+                     help="weight-only quantisation of the projections (docs/quantization.md)")
+    eng.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8_e4m3", "fp8_e5m2"],
+                     help="KV cache storage: auto (= dtype) or an 8-bit format with per-token scales")
     eng.add_argument("--seed", type=int, default=0, help="seed of the engine's unseeded sampling")
     eng.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                      help="turn the engine's prefix cache off")
@@ -82,6 +87,8 @@ def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] 
     if not 0 <= grace < math.inf:
         raise ValueError(f"--prefix-cache-grace-s must be a finite number >= 0, got {grace}")
     return {"model": model_path, "device": args.device, "dtype": args.dtype,
+            "quantization": getattr(args, "quantization", "none"),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype", "auto"),
             "kv_cache_bytes": int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
