@@ -29,6 +29,7 @@ from kvserve.engine.model_loading import load_model, torch_dtype
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.scheduler import Scheduler
 from kvserve.errors import InvalidRequestError
+from kvserve.quant.transform import direct_types
 from kvserve.speculative.config import speculative_config
 
 logger = logging.getLogger("kvserve.engine")
@@ -51,7 +52,7 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     from kvserve.speculative.speculator import build_speculator
     from kvserve.speculative.verify import Verifier
 
-    checkpoint = checkpoint or load_checkpoint(config.model)
+    checkpoint = checkpoint or load_checkpoint(config.model, direct_types(config.quantization))
     mc = checkpoint.config
     resolved = resolve(config, mc, torch.cuda.is_available())
     spec = speculative_config(config.speculative)
@@ -59,9 +60,10 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     if resolved.num_threads:
         torch.set_num_threads(resolved.num_threads)
     device, dtype = torch.device(resolved.device), torch_dtype(resolved.dtype)
-    model = load_model(checkpoint, device, dtype)
+    model = load_model(checkpoint, device, dtype, resolved.quantization)
     draft_path = entry.draft_model_path(spec) if entry else None
-    draft = load_model(load_checkpoint(draft_path), device, dtype) if draft_path else None
+    draft = (load_model(load_checkpoint(draft_path, direct_types(resolved.quantization)), device, dtype,
+                        resolved.quantization) if draft_path else None)
     adapters, batch = None, None
     if resolved.lora is not None:
         from kvserve.lora.build import build_lora

@@ -16,10 +16,12 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def load_model(checkpoint, device: torch.device, dtype: torch.dtype):
+def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantization: str = "none"):
     """Build the checkpoint's architecture, load its tensors, move it to ``device`` in
-    ``dtype`` (rotary tables stay fp32) and pack its projections for that device.
-    The checkpoint's tensors are released as they are consumed."""
+    ``dtype`` (rotary tables stay fp32), quantise its decoder projections
+    (``quantization`` "int8" / "int4", ``kvserve.quant``) and pack the float ones for
+    that device. The checkpoint's tensors are released as they are consumed."""
+    from kvserve.engine.bandwidth import decode_bound_text, measure_copy_bandwidth
     from kvserve.models.registry import build_model
 
     model = build_model(checkpoint.config)
@@ -27,9 +29,15 @@ def load_model(checkpoint, device: torch.device, dtype: torch.dtype):
     checkpoint.tensors = {}
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.float()
+    sources = {}
+    if quantization != "none":
+        from kvserve.quant.transform import quantize_projections
+        sources = quantize_projections(model, quantization, device)
     layouts = model.pack_weights()
-    logger.info("weights of %s: %.1f MB (%.1f MB read per decode step), layouts %s",
-                checkpoint.config.name or checkpoint.config.architecture, model.weight_bytes() / 1e6,
-                model.decode_read_bytes() / 1e6, layouts)
+    logger.info("weights of %s (%s, quantization %s%s): %s; layouts %s",
+                checkpoint.config.name or checkpoint.config.architecture, str(dtype).removeprefix("torch."),
+                quantization, f" {sources}" if sources else "",
+                decode_bound_text(model.weight_bytes(), model.decode_read_bytes(),
+                                  measure_copy_bandwidth(device)), layouts)
     model.weight_layouts = layouts
     return model

@@ -26,7 +26,7 @@ class LLM:
 
     def __init__(self, model: str | None = None, **engine_kwargs):
         from kvserve.builder import build_engine
-        from kvserve.loader import load_checkpoint, resolve_model_path
+        from kvserve.loader import resolve_model_path
         from kvserve.tokenizer import Tokenizer
 
         known = {f.name for f in fields(EngineConfig)}
@@ -36,7 +36,7 @@ class LLM:
         path = resolve_model_path(model)
         self.config = EngineConfig(model=path, **engine_kwargs)
         self.tokenizer = Tokenizer.load(path)
-        self.engine = build_engine(self.config, load_checkpoint(path))
+        self.engine = build_engine(self.config)
         self.processor = OutputProcessor(self.tokenizer, self.engine.stop_sequence)
         self._request_ids = itertools.count()
 

@@ -46,15 +46,17 @@ def resolve_model_path(model: str | None) -> str:
     return path
 
 
-def load_checkpoint(model: str | None) -> Checkpoint:
+def load_checkpoint(model: str | None, direct_types: tuple[str, ...] = ()) -> Checkpoint:
     """Resolve ``model`` and load it: a ``*.gguf`` file with the GGUF loader, a folder
     holding config.json with the Hugging Face loader; anything else raises ModelLoadError.
+    ``direct_types``: GGUF block types whose projection weights stay quantised
+    (``kvserve.quant.gguf_blocks.DIRECT_TYPES``); float checkpoints ignore it.
     """
     path = resolve_model_path(model)
     if os.path.isfile(path) and path.lower().endswith(".gguf"):
         from kvserve.loader.gguf_loader import load_gguf
 
-        return load_gguf(path)
+        return load_gguf(path, direct_types)
     if os.path.isdir(path):
         if not os.path.isfile(os.path.join(path, "config.json")):
             raise ModelLoadError(f"folder {path} has no config.json; expected a Hugging Face "

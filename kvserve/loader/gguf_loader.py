@@ -53,8 +53,10 @@ _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _IGNORED_NAMES = frozenset({"rope_freqs.weight"})
 
 
-def load_gguf(path: str) -> Checkpoint:
-    """Read a GGUF file: config from its metadata, all tensors dequantised to float32.
+def load_gguf(path: str, direct_types: tuple[str, ...] = ()) -> Checkpoint:
+    """Read a GGUF file: config from its metadata, tensors dequantised to float32 --
+    except decoder projection weights stored as one of ``direct_types`` (GGUF type
+    names, e.g. ``("Q4_0", "Q4_1")``), which stay quantised (``kvserve.quant.gguf_blocks``).
 
     Raises ModelLoadError for a missing, truncated or corrupt file, an
     architecture other than llama/qwen2, or tensors that do not fit the config.
@@ -71,6 +73,10 @@ def load_gguf(path: str) -> Checkpoint:
             if info.name in _IGNORED_NAMES:
                 continue
             raise ModelLoadError(f"GGUF file {path} holds an unsupported tensor {info.name!r}")
+        direct = _direct_type(info, hf_name, direct_types)
+        if direct:
+            tensors[hf_name] = _read_quantized(info, data, direct, hf_name, config)
+            continue
         weights = _dequantize(info, data, path)
         if config.architecture == "llama":
             weights = _maybe_unpermute(hf_name, weights, config)
@@ -175,6 +181,30 @@ def _dequantize(info: GGUFTensorInfo, data: np.ndarray, path: str) -> np.ndarray
     if not values.flags.writeable or not values.flags.c_contiguous:
         values = np.array(values, dtype=np.float32, order="C")  # F32 data is a read-only memmap
     return values
+
+
+def _direct_type(info: GGUFTensorInfo, hf_name: str, direct_types: tuple[str, ...]) -> str | None:
+    """The GGUF type name of ``info`` if it is a projection weight kept quantised, else None."""
+    if not direct_types or not hf_name.endswith("_proj.weight"):
+        return None
+    from gguf import GGMLQuantizationType
+    try:
+        name = GGMLQuantizationType(info.type_id).name
+    except ValueError:
+        return None
+    return name if name in direct_types else None
+
+
+def _read_quantized(info: GGUFTensorInfo, data: np.ndarray, type_name: str, hf_name: str,
+                    config: ModelConfig):
+    """A projection weight as its quantised blocks, rows un-permuted like the float path."""
+    from kvserve.quant.gguf_blocks import read_blocks
+
+    weight = read_blocks(tensor_bytes(info, data), type_name, tuple(reversed(info.shape)))
+    if config.architecture == "llama" and (".q_proj." in hf_name or ".k_proj." in hf_name):
+        heads = config.num_heads if ".q_proj." in hf_name else config.num_kv_heads
+        weight = weight.rows(torch.from_numpy(unpermute_rotary_rows(np.arange(weight.shape[0]), heads)))
+    return weight
 
 
 def _maybe_unpermute(hf_name: str, weights: np.ndarray, config: ModelConfig) -> np.ndarray:

@@ -126,17 +126,26 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors (no copy where no fusion is needed), fusing
-        q/k/v and gate/up. Shapes are checked against the parameters they replace."""
+        q/k/v and gate/up. Shapes are checked against the parameters they replace. A
+        projection's tensors may be quantised weights (``kvserve.quant.formats``, which
+        concatenate rows with ``cat``): they wait in ``Projection.quantized_weight``."""
         def take(*names: str) -> torch.Tensor:
             missing = [n for n in names if n not in tensors]
             if missing:
                 raise KeyError(f"checkpoint lacks tensors {missing}")
-            return tensors[names[0]] if len(names) == 1 else torch.cat([tensors[n] for n in names])
+            parts = [tensors[n] for n in names]
+            if len(parts) == 1:
+                return parts[0]
+            quantized = [p for p in parts if not isinstance(p, torch.Tensor)]
+            return type(quantized[0]).cat(parts) if quantized else torch.cat(parts)
 
-        def put(module: nn.Module, attr: str, value: torch.Tensor) -> None:
+        def put(module: nn.Module, attr: str, value) -> None:
             old = getattr(module, attr)
             if old.shape != value.shape:
                 raise ValueError(f"{attr}: checkpoint shape {tuple(value.shape)} != model {tuple(old.shape)}")
+            if not isinstance(value, torch.Tensor):     # a loader's quantised weight (kvserve.quant)
+                module.quantized_weight = value
+                value = torch.empty(0)
             setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))
 
         put(self, "embed_tokens", take("model.embed_tokens.weight"))

@@ -16,6 +16,9 @@ once, after the model reached its device and dtype:
   thread: 35.5 -> 25.8 ms; head 49152 x 576: 17.1 -> 12.3 ms), and each row's result
   is the same whatever the batch size. Narrower ones stream no faster that way.
 
+- a quantised kernel (``use_kernel``, from ``kvserve.quant.transform``): int8 / int4
+  weights multiplied by PyTorch's weight-only kernels; the float weight is dropped.
+
 No copy is kept in the old layout (the ``[in, out]`` copy replaces ``weight``). A
 vocabulary head tied to the embedding gets its own packed copy, since the embedding
 lookup needs the rows of the ``[vocab, hidden]`` matrix.
@@ -39,10 +42,20 @@ class Projection(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features), requires_grad=False) if bias else None
         self.layout = "out_in"
         self._onednn_weight: torch.Tensor | None = None
+        self.kernel = None                  # a quantised kernel (use_kernel), not a parameter
+        self.quantized_weight = None        # a loader's quantised source, until use_kernel
+
+    def use_kernel(self, kernel) -> None:
+        """Multiply by ``kernel`` (``kernel(x) -> x @ W.T``, with ``layout`` and ``nbytes``)
+        from now on; the float weight and any quantised source are released."""
+        self.kernel, self.layout = kernel, kernel.layout
+        self.weight, self.quantized_weight, self._onednn_weight = None, None, None
 
     @property
     def packed_bytes(self) -> int:
-        """Bytes of the oneDNN copy (which is not a parameter), 0 without one."""
+        """Bytes of the oneDNN copy or the quantised kernel (not parameters), else 0."""
+        if self.kernel is not None:
+            return self.kernel.nbytes
         w = self._onednn_weight
         return 0 if w is None else w.numel() * w.element_size()
 
@@ -71,6 +84,9 @@ class Projection(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out]."""
+        if self.kernel is not None:
+            y = self.kernel(x)
+            return y if self.bias is None else y.add_(self.bias)
         if self.layout == "in_out":
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.layout == "onednn":
@@ -80,7 +96,7 @@ class Projection(nn.Module):
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T`` in place (a residual stream: no separate add pass)."""
-        if self.layout == "onednn":
+        if self.layout == "onednn" or self.kernel is not None:
             return out.add_(self.forward(x))
         if self.bias is not None:
             out.add_(self.bias)

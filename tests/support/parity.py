@@ -14,9 +14,9 @@ class Tolerated:
 
 
 def compare_greedy(reference: list[list[int]], candidate: list[list[int]],
-                   top2_gaps: list[list[float]]) -> list[Tolerated]:
+                   top2_gaps: list[list[float]], near_tie: float = NEAR_TIE) -> list[Tolerated]:
     """Assert every candidate equals its reference; a divergence is tolerated only where
-    the reference's top-2 logprob gap at that position is below NEAR_TIE (the rest of
+    the reference's top-2 logprob gap at that position is below ``near_tie`` (the rest of
     that sequence is then not compared). Returns the tolerated divergences."""
     tolerated = []
     for i, (ref, got) in enumerate(zip(reference, candidate, strict=True)):
@@ -26,7 +26,7 @@ def compare_greedy(reference: list[list[int]], candidate: list[list[int]],
         if pos >= min(len(ref), len(got)):
             raise AssertionError(f"prompt {i}: lengths differ ({len(ref)} vs {len(got)}) with equal prefix")
         gap = top2_gaps[i][pos]
-        assert gap < NEAR_TIE, (f"prompt {i} diverges at position {pos}: reference {ref[pos]} vs {got[pos]}, "
+        assert gap < near_tie, (f"prompt {i} diverges at position {pos}: reference {ref[pos]} vs {got[pos]}, "
                                 f"top-2 gap {gap:.3g} is not a near-tie")
         tolerated.append(Tolerated(i, pos, gap))
     for t in tolerated:
