@@ -157,8 +157,8 @@ def main() -> None:
     model_path = default_model_path()
     ks = [int(k) for k in args.adapters.split(",")]
     with tempfile.TemporaryDirectory() as folder:
-        llm = LLM(model_path, enable_lora=True, max_loras=SLOTS, max_cpu_loras=HOST, max_lora_rank=RANK,
-                  max_num_seqs=32, num_threads=args.threads, kv_cache_bytes=512 * 2**20)
+        llm = LLM(model_path, dtype="float32", enable_lora=True, max_loras=SLOTS, max_cpu_loras=HOST,
+                  max_lora_rank=RANK, max_num_seqs=32, num_threads=args.threads, kv_cache_bytes=512 * 2**20)
         paths = make_adapters(llm.engine.model_config, folder, max(ks), TARGETS[args.targets])
         prompts = make_prompts(llm.tokenizer, args.requests)
         run(llm, prompts[:4], None, 4)                                      # warm-up
@@ -176,8 +176,8 @@ def main() -> None:
         del llm
         # the same k = 16 traffic with every request running at once (the engine's default
         # max_num_seqs): the one-at-a-time baseline's batches do not change
-        wide = LLM(model_path, enable_lora=True, max_loras=SLOTS, max_cpu_loras=HOST, max_lora_rank=RANK,
-                   max_num_seqs=64, num_threads=args.threads, kv_cache_bytes=512 * 2**20)
+        wide = LLM(model_path, dtype="float32", enable_lora=True, max_loras=SLOTS, max_cpu_loras=HOST,
+                   max_lora_rank=RANK, max_num_seqs=64, num_threads=args.threads, kv_cache_bytes=512 * 2**20)
         run(wide, prompts[:4], None, 4)
         results["k16_uniform_64_at_once"] = run(wide, prompts, k16, args.max_tokens)
         results["base_only_64_at_once"] = run(wide, prompts, None, args.max_tokens)

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     from kvserve import LLM
     from kvserve.loader import default_model_path
     model_path = default_model_path()
-    llm = LLM(model_path, num_threads=args.threads, max_num_seqs=64,
+    llm = LLM(model_path, dtype="float32", num_threads=args.threads, max_num_seqs=64,
               max_num_batched_tokens=args.max_num_batched_tokens)
     requests = make_workload(llm.tokenizer, args.requests, args.seed)
     bandwidth = measure_read_bandwidth()

@@ -215,8 +215,9 @@ def main(argv=None) -> int:
     from kvserve.loader import load_checkpoint, resolve_model_path
     from kvserve.tokenizer import Tokenizer
     path = resolve_model_path(args.model)
-    config = EngineConfig(model=path, kv_cache_bytes=int(args.kv_cache_gib * 2**30), block_size=args.block_size,
-                          num_threads=args.threads, max_num_batched_tokens=args.max_num_batched_tokens)
+    config = EngineConfig(model=path, dtype="float32", kv_cache_bytes=int(args.kv_cache_gib * 2**30),
+                          block_size=args.block_size, num_threads=args.threads,
+                          max_num_batched_tokens=args.max_num_batched_tokens)
     engine = build_engine(config, load_checkpoint(path))
     tokenizer = Tokenizer.load(path)
     warm = [Request(list(range(100, 164)), use_prefix_cache=False) for _ in range(4)]

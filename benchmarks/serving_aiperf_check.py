@@ -133,7 +133,8 @@ def main(argv=None) -> int:
         tokenizer_dir = hf_tokenizer_folder(model_path, os.path.join(tmp, "tokenizer"))
         # Taking turns repeats the same prompts: without the prefix cache every run does the same work.
         cache = [] if args.side_by_side else ["--no-prefix-cache"]
-        server = KVServe("--threads", str(args.threads), "--max-num-seqs", str(2 * args.concurrency),
+        server = KVServe("--threads", str(args.threads), "--dtype", "float32",
+                         "--max-num-seqs", str(2 * args.concurrency),
                          "--kv-cache-gib", "0.5", *cache, cpus=args.server_cpus)
         with server:
             if args.side_by_side:

@@ -105,7 +105,8 @@ OFFLINE_SCRIPT = r"""
 import json, sys, time
 from kvserve import LLM, SamplingParams
 spec = json.loads(sys.stdin.read())
-llm = LLM(None, num_threads=spec["threads"], kv_cache_bytes=spec["kv_bytes"], max_num_seqs=spec["max_num_seqs"])
+llm = LLM(None, dtype="float32", num_threads=spec["threads"], kv_cache_bytes=spec["kv_bytes"],
+          max_num_seqs=spec["max_num_seqs"])
 llm.generate(spec["prompts"][:2], SamplingParams(max_tokens=4, temperature=0))
 params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for m in spec["max_tokens"]]
 wall, cpu = time.perf_counter(), time.process_time()

@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     warmup = build_workload("random", tokenizer, 2, args.input_len, 8, chat=False, seed=1)
     kv_bytes = int(args.kv_cache_gib * 2**30)
     offline_runs, server_runs = [], []
-    server = KVServe("--threads", str(args.threads), "--kv-cache-gib", str(args.kv_cache_gib),
+    server = KVServe("--threads", str(args.threads), "--dtype", "float32", "--kv-cache-gib", str(args.kv_cache_gib),
                      "--max-num-seqs", str(args.concurrency), "--max-queued-requests", "1024", cpus=args.server_cpus)
     with server:
         pids = server.pids()

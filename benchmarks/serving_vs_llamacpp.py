@@ -56,7 +56,7 @@ def compact(summary: dict) -> dict:
 
 def run_level(args, concurrency: int, requests, warmup, model_path: str) -> dict:
     entry = {"concurrency": concurrency, "num_requests": len(requests)}
-    server = KVServe("--threads", str(args.threads), "--kv-cache-gib", str(args.kv_cache_gib),
+    server = KVServe("--threads", str(args.threads), "--dtype", "float32", "--kv-cache-gib", str(args.kv_cache_gib),
                      "--max-num-seqs", str(concurrency), "--max-queued-requests", "1024", cpus=args.server_cpus)
     with server:
         entry["kvserve"] = compact(bench(server.url, requests, concurrency, warmup, pids=server.pids()))

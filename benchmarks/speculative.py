@@ -116,11 +116,11 @@ def compare(name: str, off: dict, on: dict, stats: dict) -> dict:
 
 def measure(name: str, conversations, max_tokens: int, one_at_a_time: bool, speculative,
             **engine_kwargs) -> dict:
-    off_llm = LLM(**engine_kwargs)
+    off_llm = LLM(dtype="float32", **engine_kwargs)
     run(off_llm, conversations[:1], 8, True)                                # warm-up
     off = run(off_llm, conversations, max_tokens, one_at_a_time)
     del off_llm
-    on_llm = LLM(speculative=speculative, **engine_kwargs)
+    on_llm = LLM(dtype="float32", speculative=speculative, **engine_kwargs)
     run(on_llm, conversations[:1], 8, True)
     before = dict(on_llm.spec_stats())
     on = run(on_llm, conversations, max_tokens, one_at_a_time)

@@ -20,6 +20,7 @@ import logging
 import torch
 
 from kvserve.engine.config import EngineConfig, resolve
+from kvserve.engine.cpu_dtype import pick_cpu_dtype
 from kvserve.engine.engine_core import EngineCore
 from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.kv.manager import KVCacheManager
@@ -54,7 +55,8 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
 
     checkpoint = checkpoint or load_checkpoint(config.model, direct_types(config.quantization))
     mc = checkpoint.config
-    resolved = resolve(config, mc, torch.cuda.is_available())
+    resolved = resolve(config, mc, torch.cuda.is_available(), pick_cpu_dtype=pick_cpu_dtype)
+    logger.info("dtype %s (%s)", resolved.dtype, resolved.dtype_reason)
     spec = speculative_config(config.speculative)
     entry = proposer_entry(spec.method) if spec else None
     if resolved.num_threads:

@@ -66,7 +66,7 @@ def tokenizer(model_path):
 def llm(model_path):
     """The engine every tier-2 test shares (uncontended: 512 MiB of KV)."""
     from kvserve import LLM
-    return LLM(model_path, kv_cache_bytes=512 * 2**20, max_num_seqs=64, max_num_batched_tokens=1024)
+    return LLM(model_path, dtype="float32", kv_cache_bytes=512 * 2**20, max_num_seqs=64, max_num_batched_tokens=1024)
 
 
 @pytest.fixture(scope="session")

@@ -39,7 +39,7 @@ def _save_tiny(kind: str, folder, model_path):
 def test_hf_folder_matches_transformers(kind, tmp_path, model_path):
     from kvserve import LLM
     hf_model = _save_tiny(kind, tmp_path, model_path)
-    llm = LLM(str(tmp_path), kv_cache_bytes=32 * 2**20)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_bytes=32 * 2**20)
     assert llm.engine.model_config.architecture == kind
     assert llm.engine.model_config.attention_bias == (kind == "qwen2")
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -31,7 +31,8 @@ def _compare(reference, candidate):
 
 def test_preemption_invariance(model_path, subset, uncontended):
     # 40 blocks x 16 tokens = 640 tokens of KV for ~2,500 tokens of demand.
-    small = LLM(model_path, kv_cache_bytes=40 * 16 * 46080, max_num_seqs=16, max_num_batched_tokens=256)
+    small = LLM(model_path, dtype="float32", kv_cache_bytes=40 * 16 * 46080, max_num_seqs=16,
+                max_num_batched_tokens=256)
     outputs = small.generate([{"prompt_token_ids": p} for p in subset], GREEDY)
     assert small.engine.scheduler.num_preemptions >= 3, "the pool was meant to force preemption"
     print(f"preemptions: {small.engine.scheduler.num_preemptions}")
@@ -43,7 +44,7 @@ def test_preemption_invariance(model_path, subset, uncontended):
 def test_chunked_prefill_invariance(model_path, prompts, llm):
     chosen = prompts[-6:] + prompts[:4]                       # long ones need many chunks
     reference = llm.generate([{"prompt_token_ids": p} for p in chosen], GREEDY)
-    chunked = LLM(model_path, kv_cache_bytes=256 * 2**20, max_num_batched_tokens=40)
+    chunked = LLM(model_path, dtype="float32", kv_cache_bytes=256 * 2**20, max_num_batched_tokens=40)
     outputs = chunked.generate([{"prompt_token_ids": p} for p in chosen], GREEDY)
     assert max(len(p) for p in chosen) > 20 * 40
     _compare(reference, outputs)

@@ -60,7 +60,7 @@ def jobs(prompts, tokenizer) -> list[tuple[str | None, list[int]]]:
 @pytest.fixture(scope="module")
 def lora_llm(model_path):
     """The uncontended LoRA engine: every adapter fits a slot."""
-    return LLM(model_path, enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=256 * 2**20)
+    return LLM(model_path, dtype="float32", enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=256 * 2**20)
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +130,7 @@ def test_mixed_batch_equals_each_request_alone(lora_llm, adapters, jobs, alone):
 def test_preemption_and_chunked_prefill(model_path, lora_llm, adapters, jobs, alone):
     engine = lora_llm.engine
     block = kv_bytes_per_token(engine.model_config, engine.dtype) * lora_llm.config.block_size
-    tight = LLM(model_path, enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=24 * block,
+    tight = LLM(model_path, dtype="float32", enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=24 * block,
                 max_num_batched_tokens=64)
     outputs, trace = run_checked(tight, jobs, adapters)
     compare(alone, outputs)
@@ -141,7 +141,7 @@ def test_preemption_and_chunked_prefill(model_path, lora_llm, adapters, jobs, al
 
 
 def test_more_adapters_waiting_than_slots(model_path, adapters, jobs, alone):
-    few = LLM(model_path, enable_lora=True, max_loras=2, max_lora_rank=16, kv_cache_bytes=128 * 2**20)
+    few = LLM(model_path, dtype="float32", enable_lora=True, max_loras=2, max_lora_rank=16, kv_cache_bytes=128 * 2**20)
     outputs, trace = run_checked(few, jobs, adapters)
     compare(alone, outputs)
     assert all(o.finish_reason == "length" for o in outputs)
@@ -167,7 +167,7 @@ def test_n_siblings_with_an_adapter(lora_llm, adapters, jobs, alone):
 
 
 def test_ngram_speculation_with_adapters(model_path, adapters, jobs, alone):
-    spec = LLM(model_path, enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=128 * 2**20,
+    spec = LLM(model_path, dtype="float32", enable_lora=True, max_loras=6, max_lora_rank=16, kv_cache_bytes=128 * 2**20,
                speculative="ngram")
     spec.engine.speculator.controller.adaptive = False          # speculate at full k every step
     outputs = spec.generate([{"prompt_token_ids": p} for _n, p in jobs], GREEDY,

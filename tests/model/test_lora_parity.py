@@ -58,7 +58,7 @@ def references(hf_base, adapters, parity_prompts) -> dict[str, list]:
 
 @pytest.fixture(scope="module")
 def lora_llm(model_path):
-    return LLM(model_path, enable_lora=True, max_loras=4, max_lora_rank=16, kv_cache_bytes=256 * 2**20)
+    return LLM(model_path, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, kv_cache_bytes=256 * 2**20)
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +139,7 @@ def test_adapter_on_an_untied_head_folder_model(tmp_path, model_path, parity_pro
     reference = peft_greedy(hf_model, adapter, parity_prompts, NEW_TOKENS)
     base_reference = peft_greedy(hf_model, None, parity_prompts, NEW_TOKENS)
 
-    llm = LLM(str(folder), enable_lora=True, max_loras=1, max_lora_rank=8, kv_cache_bytes=32 * 2**20)
+    llm = LLM(str(folder), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, kv_cache_bytes=32 * 2**20)
     assert not llm.engine.model_config.tie_word_embeddings
     jobs = [(lora, p) for p in parity_prompts for lora in (None, LoRARequest("tiny", adapter))]
     outputs = llm.generate([{"prompt_token_ids": p} for _l, p in jobs], GREEDY, lora_request=[j[0] for j in jobs])

@@ -76,7 +76,7 @@ def test_off_cold_warm_identical(llm, shared_prompts, cache_off):
 
 def test_preemption_with_cache_identical(model_path, shared_prompts, cache_off):
     # 12 blocks x 16 tokens of KV for ~2,000 tokens of demand (the longest needs 6 blocks).
-    small = LLM(model_path, kv_cache_bytes=12 * BLOCK * BYTES_PER_TOKEN, max_num_seqs=16,
+    small = LLM(model_path, dtype="float32", kv_cache_bytes=12 * BLOCK * BYTES_PER_TOKEN, max_num_seqs=16,
                 max_num_batched_tokens=128)
     outputs = small.generate([{"prompt_token_ids": p} for p in shared_prompts], GREEDY)
     stats = small.engine.stats()
@@ -116,7 +116,7 @@ def test_tenants_and_epochs_never_share(llm, source_ids):
 
 def test_live_turn_survives_pressure_and_hits(model_path, source_ids):
     # 40 blocks; the conversation holds ~15, other traffic wants ~45 more.
-    small = LLM(model_path, kv_cache_bytes=40 * BLOCK * BYTES_PER_TOKEN, max_num_seqs=8,
+    small = LLM(model_path, dtype="float32", kv_cache_bytes=40 * BLOCK * BYTES_PER_TOKEN, max_num_seqs=8,
                 max_num_batched_tokens=256)
     tok = small.tokenizer
     system = tok.decode(source_ids[4000:4200])
@@ -143,7 +143,7 @@ def test_live_turn_survives_pressure_and_hits(model_path, source_ids):
 
 
 def test_switched_off(model_path, shared_prompts, cache_off):
-    off = LLM(model_path, kv_cache_bytes=32 * 2**20, enable_prefix_cache=False)
+    off = LLM(model_path, dtype="float32", kv_cache_bytes=32 * 2**20, enable_prefix_cache=False)
     inputs = [{"prompt_token_ids": p} for p in shared_prompts[:4]]
     outputs = off.generate(inputs, GREEDY) + off.generate(inputs, GREEDY)
     assert all(o.num_cached_tokens == 0 for o in outputs)

@@ -41,7 +41,7 @@ def _check(outputs, prompts, reference, k):
 
 def test_prompt_logprobs_match_hf_chunked(llm, prompts, hf_prompt_logprobs):
     params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
-    chunked = LLM(kv_cache_bytes=256 << 20, max_num_batched_tokens=48)
+    chunked = LLM(dtype="float32", kv_cache_bytes=256 << 20, max_num_batched_tokens=48)
     outputs = chunked.generate([{"prompt_token_ids": p} for p in prompts[:6]], params)
     _check(outputs, prompts[:6], hf_prompt_logprobs, 3)
     # without asking, there are none
@@ -52,7 +52,7 @@ def test_prompt_logprobs_match_hf_chunked(llm, prompts, hf_prompt_logprobs):
 def test_prompt_logprobs_under_preemption_and_n(prompts, hf_prompt_logprobs):
     """A pool so small that sequences are preempted and recomputed: each prompt position
     is still reported exactly once; n = 2 reports them once per request."""
-    small = LLM(kv_cache_bytes=6 << 20, max_num_batched_tokens=64)
+    small = LLM(dtype="float32", kv_cache_bytes=6 << 20, max_num_batched_tokens=64)
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True, prompt_logprobs=0, n=2)
     outputs = small.generate([{"prompt_token_ids": p} for p in prompts[:6]], params)
     assert small.engine.scheduler.num_preemptions > 0

@@ -96,7 +96,7 @@ def spec_llm(request, llm):
         budget *= 2               # the draft (the same model) takes half of the budget
     else:
         spec = request.param
-    engine = LLM(kv_cache_bytes=budget, speculative=spec, max_num_seqs=64, max_num_batched_tokens=1024)
+    engine = LLM(dtype="float32", kv_cache_bytes=budget, speculative=spec, max_num_seqs=64, max_num_batched_tokens=1024)
     assert engine.engine.kv_plan.num_blocks == POOL_BLOCKS
     engine.proposer_name = request.param
     force_speculation(engine)
@@ -258,7 +258,7 @@ def test_generate_kwarg_and_spec_stats(spec_llm, spec_prompts):
 def test_real_controller_keeps_ngram_on_for_a_lone_copying_request(spec_prompts, reference):
     """Without forcing: n-gram drafts cost no draft passes, so at batch 1 on a prompt
     that copies its input the controller speculates (and the output is unchanged)."""
-    engine = LLM(kv_cache_bytes=64 * 2**20, speculative="ngram")
+    engine = LLM(dtype="float32", kv_cache_bytes=64 * 2**20, speculative="ngram")
     index = len(spec_prompts) + ABC
     out = engine.generate([{"prompt_token_ids": spec_prompts[index]}], GREEDY)[0]
     stats = engine.spec_stats()
@@ -271,7 +271,7 @@ def test_real_controller_keeps_ngram_on_for_a_lone_copying_request(spec_prompts,
 
 def test_self_draft_with_every_layer_is_always_accepted(spec_prompts, reference):
     """``self:30`` is the whole target: its drafts are the target's own tokens."""
-    engine = LLM(kv_cache_bytes=64 * 2**20, speculative="self:30")
+    engine = LLM(dtype="float32", kv_cache_bytes=64 * 2**20, speculative="self:30")
     force_speculation(engine)
     chosen = list(range(0, len(spec_prompts), 5))
     outputs = engine.generate([{"prompt_token_ids": spec_prompts[i]} for i in chosen], GREEDY)
@@ -331,8 +331,8 @@ def test_drafts_stop_at_the_context_limit(spec_prompts):
     request ends with ``length`` exactly at the limit, as without speculation."""
     prompt = spec_prompts[ABC] * 2
     limit = len(prompt) + 10
-    plain = LLM(kv_cache_bytes=16 * 2**20, max_model_len=limit)
-    spec = LLM(kv_cache_bytes=16 * 2**20, max_model_len=limit, speculative="ngram")
+    plain = LLM(dtype="float32", kv_cache_bytes=16 * 2**20, max_model_len=limit)
+    spec = LLM(dtype="float32", kv_cache_bytes=16 * 2**20, max_model_len=limit, speculative="ngram")
     force_speculation(spec)
     params = SamplingParams(temperature=0, max_tokens=None, ignore_eos=True)
     a = plain.generate([prompt], params)[0].outputs[0]
@@ -353,7 +353,7 @@ def test_draft_kv_mirrors_target_kv_in_cached_blocks():
     accepts all four, emits 5 tokens and finishes. Block 0 (positions 0..15) is full
     and cached, but the draft never fed draft 4 (position 15) through itself.
     """
-    engine = LLM(kv_cache_bytes=32 * 2**20, speculative=f"draft:{default_model_path()}")
+    engine = LLM(dtype="float32", kv_cache_bytes=32 * 2**20, speculative=f"draft:{default_model_path()}")
     force_speculation(engine)
     prompt = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog and then the quick brown fox",
                                      add_special_tokens=False)[:11]
@@ -402,7 +402,7 @@ def test_abort_mid_generation_keeps_integrity_and_forgets_state(spec_llm, spec_p
 
 
 def test_stop_string_finish_forgets_speculation_state(spec_prompts):
-    engine = LLM(kv_cache_bytes=16 * 2**20, speculative="ngram")
+    engine = LLM(dtype="float32", kv_cache_bytes=16 * 2**20, speculative="ngram")
     out = engine.generate([spec_prompts[CAT]], SamplingParams(temperature=0, max_tokens=24, stop=[" mat"]))[0]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == " mat"
     assert out.num_draft_tokens > 0

@@ -17,7 +17,8 @@ from kvserve.loadgen.workloads import build_workload
 @pytest.mark.model
 def test_bench_runs_every_workload_against_a_server(tokenizer):
     from benchmarks.server_process import ServerProcess
-    with ServerProcess("--threads", "1", "--kv-cache-gib", "0.1", "--max-num-seqs", "8") as server:
+    with ServerProcess("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1",
+                       "--max-num-seqs", "8") as server:
         for name, endpoint in (("random", "chat"), ("shared-prefix", "chat"), ("multi-turn", "chat"),
                                ("code", "completions")):
             requests = build_workload(name, tokenizer, 3, input_len=24, output_len=4, prefix_len=40, turns=2)

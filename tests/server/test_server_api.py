@@ -31,7 +31,7 @@ EXTRA_TEXTS = [
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{API_KEY} alice\n{OTHER_KEY} bob\n")
-    with ServerProcess("--api-keys-file", str(keys), "--threads", "1", "--kv-cache-gib", "0.1",
+    with ServerProcess("--api-keys-file", str(keys), "--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1",
                        "--max-num-seqs", "32") as proc:
         yield proc
 

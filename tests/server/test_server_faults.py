@@ -22,7 +22,7 @@ LONG_PROMPT = "The history of computing is long and varied. " * 70        # ~700
 
 @pytest.fixture(scope="module")
 def server():
-    with ServerProcess("--threads", "1", "--kv-cache-gib", "0.1", "--max-num-seqs", "16",
+    with ServerProcess("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1", "--max-num-seqs", "16",
                        "--max-queued-requests", str(QUEUE_BOUND), "--stall-timeout", "3") as proc:
         yield proc
 

@@ -14,7 +14,7 @@ from benchmarks.server_process import ServerProcess
 
 pytestmark = pytest.mark.model
 
-ARGS = ("--threads", "1", "--kv-cache-gib", "0.1")
+ARGS = ("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1")
 
 
 class StreamReader(threading.Thread):

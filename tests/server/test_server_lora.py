@@ -101,7 +101,8 @@ def _one_torch_thread():
 def offline():
     """The offline engine with LoRA: the reference for every output."""
     from kvserve import LLM
-    return LLM(None, enable_lora=True, max_loras=2, kv_cache_bytes=256 * 2**20, max_num_seqs=8, num_threads=1)
+    return LLM(None, dtype="float32", enable_lora=True, max_loras=2, kv_cache_bytes=256 * 2**20,
+               max_num_seqs=8, num_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +128,7 @@ def adapters(tmp_path_factory, offline) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def server(adapters):
     modules = [f"alpha={adapters['alpha']}", json.dumps({"name": "beta", "path": adapters["beta"]})]
-    with ServerProcess("--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY, "--threads", "1",
+    with ServerProcess("--api-key", USER_KEY, "--admin-api-key", ADMIN_KEY, "--threads", "1", "--dtype", "float32",
                        "--kv-cache-gib", "0.2", "--max-num-seqs", "8", "--max-loras", "2",
                        "--max-lora-rank", "16", "--lora-modules", *modules) as proc:
         yield proc
@@ -365,7 +366,7 @@ def test_metrics_show_the_adapters(server, offline, adapters):
 
 def _serve_until_exit(*args: str, timeout_s: float = 300) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(free_port()), "--threads", "1",
-               "--kv-cache-gib", "0.05", *args]
+               "--dtype", "float32", "--kv-cache-gib", "0.05", *args]
     return subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
 

@@ -23,7 +23,7 @@ _unique = itertools.count()
 def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text(f"{ALICE} alice\n{BOB} bob\n")
-    with ServerProcess("--api-keys-file", str(keys), "--threads", "1", "--kv-cache-gib", "0.1",
+    with ServerProcess("--api-keys-file", str(keys), "--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1",
                        "--max-num-seqs", "8") as proc:
         yield proc
 
