@@ -36,11 +36,15 @@ from kvserve.speculative.config import speculative_config
 logger = logging.getLogger("kvserve.engine")
 
 
-def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
-    """KV bytes one token takes in every layer of ``config``'s model (the planner's formula)."""
-    from kvserve.engine.kv.sizing import kv_bytes_per_token as formula
+def kv_bytes_per_token(config, kv_dtype: "str | torch.dtype") -> int:
+    """KV bytes one token takes in every layer of ``config``'s model in KV dtype ``kv_dtype``
+    (a name such as "float32" or "int8", or a torch float dtype), scales included (the
+    planner's formula)."""
+    from kvserve.engine.kv.sizing import kv_bytes_per_token as formula, kv_storage
+    from kvserve.engine.kv.tensors import kv_dtype_name
+    storage = kv_storage(kv_dtype_name(kv_dtype))
     return int(formula(config.num_layers, config.num_kv_heads, config.head_dim,
-                       torch.empty((), dtype=dtype).element_size()))
+                       storage.element_bytes, storage.scale_bytes))
 
 
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
@@ -72,15 +76,19 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
         adapters, batch = build_lora(resolved.lora, model, mc, device, dtype)
     budget = resolved.kv_cache_bytes or default_kv_budget_bytes(
         device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
+    kv_dtype = resolved.kv_cache_dtype          # "float32", ..., "int8", "fp8_e4m3", "fp8_e5m2"
     if draft is not None:       # one block id covers target and draft KV: split the budget
-        target_bpt, draft_bpt = (kv_bytes_per_token(c, dtype) for c in (mc, draft.config))
+        target_bpt, draft_bpt = (kv_bytes_per_token(c, kv_dtype) for c in (mc, draft.config))
         budget = budget * target_bpt // (target_bpt + draft_bpt)
-    kv_plan = plan_kv_cache(mc, budget, dtype, resolved.block_size, resolved.max_model_len)
+    kv_plan = plan_kv_cache(mc, budget, kv_dtype, resolved.block_size, resolved.max_model_len)
     if kv_plan.num_blocks < 1:
         raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {kv_plan.explanation}",
                                   param="kv_cache_bytes")
-    logger.info("KV cache: %s", kv_plan.explanation)
-    kv_cache = allocate_kv_cache(mc, kv_plan, dtype, device)
+    logger.info("KV cache (%s): %s", kv_dtype, kv_plan.explanation)
+    try:
+        kv_cache = allocate_kv_cache(mc, kv_plan, kv_dtype, device, dtype)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="kv_cache_dtype") from e
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
     scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters)

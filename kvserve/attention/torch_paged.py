@@ -11,6 +11,10 @@ KV cache per layer: ``[num_blocks, block_size, kv_heads, head_dim]`` for K and V
   Elsewhere: groups of similar context length gather their blocks into reused
   workspaces and run one batched SDPA, the query heads of one KV head folded into
   the query axis instead of repeating KV.
+- An 8-bit cache (:class:`kvserve.engine.kv.quantized.QuantizedKV`) is quantised as
+  it is written and dequantised as blocks are gathered into the workspaces; it always
+  takes the gather paths (never the ragged one), and a chunk from 0 attends its own
+  K/V as stored (dequantised), so every read sees the same values.
 
 ``prepare`` derives everything that is the same for every layer once per forward.
 """
@@ -23,6 +27,7 @@ import torch.nn.functional as F
 
 from kvserve.attention.metadata import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.attention.ragged import RaggedPlan, RaggedSource, build_ragged_plan, ragged_attention
+from kvserve.engine.kv.quantized import QuantizedKV
 
 RAGGED_MAX_QUERIES = 4     # chunks this short go to the ragged path (CPU): measured break-even
 QUERY_PIECE = 256          # query rows per SDPA call for a chunk that starts after 0
@@ -61,9 +66,10 @@ class TorchPagedAttention:
         self._workspaces: list[torch.Tensor | None] = [None, None]    # reused K / V gather buffers
 
     def prepare(self, meta: AttentionMetadata, kv_cache: torch.Tensor) -> PreparedStep:
-        """Once per forward: kv_cache ``[layers, 2, blocks, block_size, KVH, D]`` -> the
-        step's per-layer plan (ragged pattern, chunk masks and pieces)."""
-        ragged_ok = kv_cache.device.type == "cpu" and kv_cache.dtype in (torch.float32, torch.float64)
+        """Once per forward: kv_cache ``[layers, 2, blocks, block_size, KVH, D]`` (a tensor
+        or a QuantizedKV) -> the step's per-layer plan (ragged pattern, chunk masks and pieces)."""
+        ragged_ok = (kv_cache.device.type == "cpu" and not isinstance(kv_cache, QuantizedKV)
+                     and kv_cache.dtype in (torch.float32, torch.float64))
         block_size = kv_cache.shape[3]
         step = PreparedStep(meta)
         sources: list[RaggedSource] = []
@@ -106,11 +112,15 @@ class TorchPagedAttention:
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, step: PreparedStep) -> torch.Tensor:
         """q [T, H, D], k/v [T, KVH, D] (views are fine); writes k/v into the cache;
-        returns [T, H * D]. ``step`` comes from :meth:`prepare`."""
+        returns [T, H * D]. ``step`` comes from :meth:`prepare`. With a QuantizedKV
+        plane, ``k``/``v`` are replaced by their stored (dequantised) values."""
         num_tokens = q.shape[0]
         slots = step.meta.slot_mapping
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        if isinstance(k_cache, QuantizedKV):
+            k, v = k_cache.write(slots, k), v_cache.write(slots, v)
+        else:
+            k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+            v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
         out = torch.empty(num_tokens, self.num_heads, self.head_dim, dtype=q.dtype, device=q.device)
         for plan in step.chunks:
             chunk = plan.chunk
@@ -154,13 +164,16 @@ class TorchPagedAttention:
                                            attn_mask=group.mask, scale=self.scale)
         return o.reshape(num_seqs, self.num_heads, self.head_dim)
 
-    def _gather(self, cache: torch.Tensor, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
-        """cache [blocks, bs, KVH, hd] rows ``block_ids`` -> [len(block_ids), bs * KVH * hd] in workspace ``slot``."""
-        flat = cache.view(cache.shape[0], -1)
-        need = block_ids.numel() * flat.shape[1]
+    def _gather(self, cache, block_ids: torch.Tensor, slot: int) -> torch.Tensor:
+        """cache [blocks, bs, KVH, hd] rows ``block_ids`` -> [len(block_ids), bs * KVH * hd] in
+        workspace ``slot`` (in the compute dtype: a QuantizedKV plane is dequantised there)."""
+        row = cache.shape[1] * cache.shape[2] * cache.shape[3]
+        need = block_ids.numel() * row
         ws = self._workspaces[slot]
         if ws is None or ws.numel() < need or ws.dtype != cache.dtype or ws.device != cache.device:
             ws = torch.empty(int(need * 1.25), dtype=cache.dtype, device=cache.device)
             self._workspaces[slot] = ws
-        out = ws[:need].view(block_ids.numel(), flat.shape[1])
-        return torch.index_select(flat, 0, block_ids, out=out)
+        out = ws[:need].view(block_ids.numel(), row)
+        if isinstance(cache, QuantizedKV):
+            return cache.gather(block_ids, out)
+        return torch.index_select(cache.view(cache.shape[0], -1), 0, block_ids, out=out)

@@ -57,8 +57,13 @@ class EngineCore:
 
     @property
     def dtype(self):
-        """The compute dtype (of the KV cache)."""
+        """The compute dtype (a torch dtype; an 8-bit KV cache dequantises to it)."""
         return self.runner.kv_cache.dtype
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        """The KV cache's storage dtype: "float32", "bfloat16", ..., "int8", "fp8_e4m3", "fp8_e5m2"."""
+        return self.config.kv_cache_dtype
 
     @property
     def decode_read_bytes(self) -> int:
@@ -185,7 +190,7 @@ class EngineCore:
         return EngineStats(
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_blocks_used=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_only_blocks,
-            kv_blocks_total=pool.num_blocks, num_preemptions=self.scheduler.num_preemptions,
+            kv_blocks_total=pool.num_blocks, kv_cache_dtype=self.kv_cache_dtype, num_preemptions=self.scheduler.num_preemptions,
             num_steps=self.num_steps, prefix_cache_enabled=cache is not None,
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_query_tokens=cache.num_query_tokens if cache else 0,

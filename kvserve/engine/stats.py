@@ -54,6 +54,7 @@ class EngineStats:
     kv_blocks_used: int = 0               # held by running sequences
     kv_blocks_cached: int = 0             # held by the prefix cache alone (reclaimable)
     kv_blocks_total: int = 0
+    kv_cache_dtype: str = ""              # KV storage: "float32", ..., "int8", "fp8_e4m3", "fp8_e5m2"
     num_preemptions: int = 0
     num_steps: int = 0
     prefix_cache_enabled: bool = False

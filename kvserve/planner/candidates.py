@@ -119,7 +119,8 @@ def evaluate_tp(inp: PlanInputs, tp: int, wbytes: float, ridge: float) -> Candid
     seq_tokens = w.context if not w.traffic_mode else prompt.mean + out.mean
     cm = replica_cost_model(inp, tp)
     mem = replica_memory(inp.model, inp.hw, wbytes, inp.kv_dtype.bytes, tp, int(math.ceil(seq_tokens)),
-                         o.block_size, o.max_batched_tokens, o.max_num_seqs, cm.act_bytes)
+                         o.block_size, o.max_batched_tokens, o.max_num_seqs, cm.act_bytes,
+                         inp.kv_dtype.scale_bytes)
     limit = max(1, min(mem.max_concurrency, o.max_num_seqs))
     pre = prefill_s(cm, prompt.mean, o.max_batched_tokens)
     if not w.traffic_mode:

@@ -27,7 +27,7 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--bandwidth-gbs", type=float, help="custom figure: memory bandwidth (GB/s)")
     g.add_argument("--tflops", type=float, help="custom figure: dense TFLOP/s for the weight dtype's compute")
     g.add_argument("--weight-dtype", default="auto", help="bf16, fp16, fp32, fp8, int8, int4, auto (native)")
-    g.add_argument("--kv-dtype", default="bf16", help="bf16, fp16, fp32, fp8, int8")
+    g.add_argument("--kv-dtype", default="bf16", help="bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2, int8 (8-bit: + 4 B scale per token and kv head)")
     w = p.add_argument_group("workload")
     w.add_argument("--context", type=int, default=4096, help="tokens per sequence (context mode)")
     w.add_argument("--concurrency", type=int, default=1, help="concurrent sequences (context mode)")

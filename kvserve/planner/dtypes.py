@@ -1,5 +1,8 @@
 """Storage types for weights and the KV cache: bytes per element, scales included.
 
+KV entries take their bytes from the engine's own table (``kvserve.engine.kv.sizing.KV_STORAGE``):
+the 8-bit KV formats keep one fp32 scale (4 B) per (token, kv head), as the engine stores them.
+
 Quantised weights carry scales. We count them as stated in each entry:
 ``int4`` = 4-bit weights + one fp16 scale and one 4-bit zero point per group of
 128 (the AWQ / GPTQ g128 layout); ``int8`` / ``fp8`` = one fp32 scale per output
@@ -11,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from kvserve.engine.kv.sizing import kv_storage
 from kvserve.planner.errors import PlannerInputError
 
 
@@ -45,10 +49,18 @@ class WeightDType:
 
 @dataclass(frozen=True)
 class KVDType:
-    """One KV-cache element: ``bytes`` each (8-bit types keep a per-tensor scale, ~0 bytes)."""
+    """One KV-cache element: ``bytes`` each, plus ``scale_bytes`` per (token, kv head)
+    (the 8-bit formats' fp32 scale; 0 for the float formats)."""
 
     name: str
     bytes: float
+    scale_bytes: float = 0.0
+
+
+def _kv_entry(name: str, engine_name: str) -> KVDType:
+    """The planner's KV dtype ``name`` with the engine's storage for ``engine_name``."""
+    storage = kv_storage(engine_name)
+    return KVDType(name, storage.element_bytes, storage.scale_bytes)
 
 
 WEIGHT_DTYPES = MappingProxyType({
@@ -61,11 +73,12 @@ WEIGHT_DTYPES = MappingProxyType({
 })
 
 KV_DTYPES = MappingProxyType({
-    "fp32": KVDType("fp32", 4.0),
-    "bf16": KVDType("bf16", 2.0),
-    "fp16": KVDType("fp16", 2.0),
-    "fp8": KVDType("fp8", 1.0),
-    "int8": KVDType("int8", 1.0),
+    "fp32": _kv_entry("fp32", "float32"),
+    "bf16": _kv_entry("bf16", "bfloat16"),
+    "fp16": _kv_entry("fp16", "float16"),
+    "fp8": _kv_entry("fp8", "fp8_e4m3"),
+    "fp8_e5m2": _kv_entry("fp8_e5m2", "fp8_e5m2"),
+    "int8": _kv_entry("int8", "int8"),
 })
 
 ALIASES = MappingProxyType({"float32": "fp32", "bfloat16": "bf16", "float16": "fp16",

@@ -1,10 +1,10 @@
 """KV-cache arithmetic of the planner, on top of the engine's own sizing formula
 (:mod:`kvserve.engine.kv.sizing`, re-exported here): bytes per token = 2 (K and V) x
-layers x kv_heads x head_dim x dtype bytes.
+layers x kv_heads x (head_dim x dtype bytes + scale bytes per (token, kv head)).
 """
 from __future__ import annotations
 
-from kvserve.engine.kv.sizing import KVCachePlan, kv_bytes_per_token, kv_cache_plan
+from kvserve.engine.kv.sizing import KVCachePlan, describe_bytes_per_token, kv_bytes_per_token, kv_cache_plan
 from kvserve.planner.figures import Figure
 
 __all__ = ["KVCachePlan", "kv_bytes_per_token", "kv_cache_plan", "kv_heads_per_gpu",
@@ -30,38 +30,49 @@ def kv_heads_per_gpu(num_kv_heads: int, tp: int) -> int:
     raise ValueError(f"tp={tp} splits {num_kv_heads} KV heads unevenly")
 
 
-def model_kv_bytes_per_token(model, kv_dtype_bytes: float):
+def model_kv_bytes_per_token(model, kv_dtype_bytes: float, scale_bytes: float = 0.0):
     """Logical KV bytes per token for the whole model (all layers, all heads), as a Figure.
 
-    MHA/GQA/MQA: 2 x layers x kv_heads x head_dim x bytes.
-    MLA: layers x (kv_lora_rank + qk_rope_head_dim) x bytes (one latent shared by all heads).
+    MHA/GQA/MQA: 2 x layers x kv_heads x (head_dim x bytes + scale bytes).
+    MLA: layers x ((kv_lora_rank + qk_rope_head_dim) x bytes + scale bytes) (one latent
+    shared by all heads, one scale per latent). ``scale_bytes`` is per (token, kv head).
     """
     if model.mla is not None:
         a = model.mla
-        value = model.num_layers * (a.kv_lora_rank + a.qk_rope_head_dim) * kv_dtype_bytes
+        width = a.kv_lora_rank + a.qk_rope_head_dim
+        value = model.num_layers * (width * kv_dtype_bytes + scale_bytes)
+        scale = f" + {scale_bytes:g} B scale" if scale_bytes else ""
         text = (f"MLA latent: {model.num_layers} layers x ({a.kv_lora_rank} kv_lora_rank + "
-                f"{a.qk_rope_head_dim} rope dim) x {kv_dtype_bytes:g} B = {value:,.0f} B")
+                f"{a.qk_rope_head_dim} rope dim) x {kv_dtype_bytes:g} B{scale} = {value:,.0f} B")
         return Figure("kv_bytes_per_token", value, "B", text)
-    value = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype_bytes)
-    text = (f"2 (K,V) x {model.num_layers} layers x {model.num_kv_heads} kv_heads x {model.head_dim} "
-            f"head_dim x {kv_dtype_bytes:g} B = {value:,.0f} B ({model.attention_kind.upper()})")
+    value = kv_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype_bytes, scale_bytes)
+    text = (describe_bytes_per_token(model.num_layers, model.num_kv_heads, model.head_dim, kv_dtype_bytes,
+                                     scale_bytes).replace("2 x", "2 (K,V) x", 1)
+            + f" ({model.attention_kind.upper()})")
     return Figure("kv_bytes_per_token", value, "B", text)
 
 
-def kv_bytes_per_token_per_gpu(model, kv_dtype_bytes: float, tp: int):
+def kv_bytes_per_token_per_gpu(model, kv_dtype_bytes: float, tp: int, scale_bytes: float = 0.0):
     """KV bytes one token occupies on each tensor-parallel rank, as a Figure.
 
     GQA/MHA split KV heads across ranks (replicating when tp > kv_heads); the MLA latent
     is not split: every rank keeps the whole latent, so it does not shrink with TP.
     """
     if model.mla is not None:
-        whole = model_kv_bytes_per_token(model, kv_dtype_bytes)
+        whole = model_kv_bytes_per_token(model, kv_dtype_bytes, scale_bytes)
         return Figure("kv_bytes_per_token_per_gpu", whole.value, "B",
                       f"MLA latent is replicated on all {tp} ranks: {whole.value:,.0f} B per GPU")
     heads = kv_heads_per_gpu(model.num_kv_heads, tp)
-    value = kv_bytes_per_token(model.num_layers, heads, model.head_dim, kv_dtype_bytes)
+    value = kv_bytes_per_token(model.num_layers, heads, model.head_dim, kv_dtype_bytes, scale_bytes)
     how = (f"{model.num_kv_heads} kv_heads / TP {tp} = {heads}" if model.num_kv_heads % tp == 0
            else f"TP {tp} > {model.num_kv_heads} kv_heads: each rank keeps 1 replicated head")
     return Figure("kv_bytes_per_token_per_gpu", value, "B",
-                  f"{how}; 2 x {model.num_layers} x {heads} x {model.head_dim} x {kv_dtype_bytes:g} B "
+                  f"{how}; {_short_formula(model.num_layers, heads, model.head_dim, kv_dtype_bytes, scale_bytes)} "
                   f"= {value:,.0f} B per GPU")
+
+
+def _short_formula(layers: int, heads: int, head_dim: int, dtype_bytes: float, scale_bytes: float) -> str:
+    """``2 x 30 x 3 x 64 x 4 B`` or, with scales, ``2 x 30 x 3 x (64 x 1 B + 4 B scale)``."""
+    if not scale_bytes:
+        return f"2 x {layers} x {heads} x {head_dim} x {dtype_bytes:g} B"
+    return f"2 x {layers} x {heads} x ({head_dim} x {dtype_bytes:g} B + {scale_bytes:g} B scale)"

@@ -98,14 +98,16 @@ class ReplicaMemory:
 
 def replica_memory(model: ModelSpec, hw: HardwareSpec, wbytes: float, kv_bytes: float, tp: int,
                    context: int, block_size: int = 16, max_batched_tokens: int = 8192,
-                   max_num_seqs: int = 256, act_bytes: float = BF16_BYTES) -> ReplicaMemory:
-    """How one replica at TP ``tp`` splits each GPU's memory; KV capacity in tokens and sequences."""
+                   max_num_seqs: int = 256, act_bytes: float = BF16_BYTES,
+                   kv_scale_bytes: float = 0.0) -> ReplicaMemory:
+    """How one replica at TP ``tp`` splits each GPU's memory; KV capacity in tokens and sequences.
+    ``kv_bytes`` per element, ``kv_scale_bytes`` per (token, kv head) (8-bit KV scales)."""
     usable = hw.memory_utilization * hw.memory_bytes
     weights = wbytes / tp
     act = activation_bytes(model, tp, max_batched_tokens, max_num_seqs, act_bytes).value
     reserve = hw.runtime_overhead_bytes + act
     pool = usable - weights - reserve
-    per_token = kv_bytes_per_token_per_gpu(model, kv_bytes, tp).value
+    per_token = kv_bytes_per_token_per_gpu(model, kv_bytes, tp, kv_scale_bytes).value
     blocks = max(0, int(pool // (per_token * block_size)))
     tokens = blocks * block_size
     blocks_per_seq = math.ceil(context / block_size)

@@ -136,7 +136,8 @@ def open_engine(model: str | None, threads: int | None):
     facts = {"model": model_from_engine(eng.model_config), "dtype": dtype,
              "max_num_seqs": llm.config.max_num_seqs, "max_num_batched_tokens": llm.config.max_num_batched_tokens,
              "block_size": llm.config.block_size, "attention_backend": llm.config.attention_backend,
-             "device": str(eng.device), "threads": threads, "kv_cache_tokens": eng.kv_plan.max_tokens}
+             "device": str(eng.device), "threads": threads, "kv_cache_tokens": eng.kv_plan.max_tokens,
+             "kv_cache_dtype": eng.kv_cache_dtype}
     return generate, facts
 
 
@@ -160,7 +161,7 @@ def calibrate_engine(raw: HardwareSpec, facts: dict, samples: list[RunSample]) -
     dtype = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(facts["dtype"], "fp32")
     mode = "padded" if facts["attention_backend"] == "torch" else "sum"
     raw = dataclasses.replace(raw, kv_read_mode=mode)
-    unit = cost_model(model, raw, weight_dtype(dtype), kv_dtype(dtype), 1)
+    unit = cost_model(model, raw, weight_dtype(dtype), kv_dtype(facts.get("kv_cache_dtype", dtype)), 1)
     limits = SchedulerLimits(facts["max_num_seqs"], facts["max_num_batched_tokens"], facts["block_size"])
     fit = fit_efficiencies(unit, samples, limits)
     calibration = {k: v for k, v in facts.items() if k != "model"}
@@ -181,7 +182,7 @@ def refit_entry(hw: HardwareSpec) -> HardwareSpec:
         raise PlannerInputError("this hardware entry has no stored engine samples to refit", param="refit")
     spec = {k: v for k, v in cal["model_spec"].items() if k not in ("mla", "moe")}
     facts = {k: cal[k] for k in ("dtype", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                                 "attention_backend", "device", "threads", "kv_cache_tokens") if k in cal}
+                                 "attention_backend", "device", "threads", "kv_cache_tokens", "kv_cache_dtype") if k in cal}
     facts["model"] = ModelSpec(**spec)
     samples = [RunSample(tuple(p), int(n), float(s)) for p, n, s in cal["samples"]]
     raw = dataclasses.replace(hw, mem_efficiency=1.0, kv_efficiency=1.0, flops_efficiency=1.0,

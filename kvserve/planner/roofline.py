@@ -60,7 +60,7 @@ def cost_model(model: ModelSpec, hw: HardwareSpec, wdtype: WeightDType, kv: KVDT
         lm_head_bytes=lm_params * table_b / tp,
         expert_bytes=c.expert_params_each * body_b / tp, num_moe_layers=c.num_moe_layers,
         active_body_params=float(active_params(model, c) - c.embedding - c.lm_head), lm_params=lm_params,
-        kv_bytes_per_token=kv_bytes_per_token_per_gpu(model, kv.bytes, tp).value,
+        kv_bytes_per_token=kv_bytes_per_token_per_gpu(model, kv.bytes, tp, kv.scale_bytes).value,
         attn_flops_per_pair=float(model.num_layers * attention_flops_per_pair(model)),
         flops=flops, compute_dtype=compute, act_bytes=act,
         expert_parallel=expert_parallel and model.moe is not None and tp > 1)

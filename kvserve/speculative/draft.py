@@ -7,7 +7,8 @@ Two ways to hold the draft's KV:
   target's own (the same weights on the same tokens): the draft reads the target's
   cache tensor for those layers and only computes the sequence's last token and
   its drafts. Nothing extra to allocate.
-- ``draft:<model>``: its own cache tensor ``[draft layers, 2, blocks, ...]`` indexed
+- ``draft:<model>``: its own cache ``[draft layers, 2, blocks, ...]`` (in the target's KV
+  dtype, 8-bit formats included) indexed
   by the target's block ids (a block id covers both), so the block pool's
   accounting covers both models. The draft mirrors every token the target
   computes (one extra draft forward per step), so prefix-cached blocks carry draft
@@ -26,6 +27,7 @@ import time
 import torch
 from torch import nn
 
+from kvserve.engine.kv.tensors import allocate_kv_tensors, cache_kv_dtype
 from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.sequence import token_slice
 from kvserve.engine.step import ScheduledSeq, StepPlan
@@ -189,8 +191,8 @@ def build_draft_model(ctx: ProposerContext) -> DraftModelProposer:
         raise InvalidRequestError(
             f"the draft model's vocabulary ({dc.vocab_size}) differs from the target's "
             f"({ctx.target_config.vocab_size}): a draft must share the tokenizer", param="speculative")
-    draft_kv = torch.zeros((dc.num_layers, 2, ctx.num_blocks, ctx.block_size, dc.num_kv_heads, dc.head_dim),
-                           dtype=ctx.dtype, device=ctx.device)
+    draft_kv = allocate_kv_tensors(dc.num_layers, ctx.num_blocks, ctx.block_size, dc.num_kv_heads, dc.head_dim,
+                                   cache_kv_dtype(ctx.kv_cache), ctx.dtype, ctx.device)   # the target's KV dtype
     backend = get_backend(ctx.attention_backend, dc.num_heads, dc.num_kv_heads, dc.head_dim)
     return DraftModelProposer(ctx.draft_model, draft_kv, backend, ctx.block_size, ctx.device,
                               shares_target_kv=False, seed=ctx.seed)
