@@ -47,6 +47,24 @@ def kv_bytes_per_token(config, kv_dtype: "str | torch.dtype") -> int:
                        storage.element_bytes, storage.scale_bytes))
 
 
+def build_kv_cache(resolved, mc, draft, budget: int, device: torch.device, dtype: torch.dtype):
+    """(KVCachePlan, cache) for ``budget`` bytes in the resolved KV dtype; with a draft
+    model the budget is split by the two models' bytes per token (one block id covers both)."""
+    kv_dtype = resolved.kv_cache_dtype          # "float32", ..., "int8", "fp8_e4m3", "fp8_e5m2"
+    if draft is not None:
+        target_bpt, draft_bpt = (kv_bytes_per_token(c, kv_dtype) for c in (mc, draft.config))
+        budget = budget * target_bpt // (target_bpt + draft_bpt)
+    kv_plan = plan_kv_cache(mc, budget, kv_dtype, resolved.block_size, resolved.max_model_len)
+    if kv_plan.num_blocks < 1:
+        raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {kv_plan.explanation}",
+                                  param="kv_cache_bytes")
+    logger.info("KV cache (%s): %s", kv_dtype, kv_plan.explanation)
+    try:
+        return kv_plan, allocate_kv_cache(mc, kv_plan, kv_dtype, device, dtype)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param="kv_cache_dtype") from e
+
+
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again."""
     from kvserve.attention import get_backend
@@ -76,19 +94,7 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
         adapters, batch = build_lora(resolved.lora, model, mc, device, dtype)
     budget = resolved.kv_cache_bytes or default_kv_budget_bytes(
         device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
-    kv_dtype = resolved.kv_cache_dtype          # "float32", ..., "int8", "fp8_e4m3", "fp8_e5m2"
-    if draft is not None:       # one block id covers target and draft KV: split the budget
-        target_bpt, draft_bpt = (kv_bytes_per_token(c, kv_dtype) for c in (mc, draft.config))
-        budget = budget * target_bpt // (target_bpt + draft_bpt)
-    kv_plan = plan_kv_cache(mc, budget, kv_dtype, resolved.block_size, resolved.max_model_len)
-    if kv_plan.num_blocks < 1:
-        raise InvalidRequestError(f"KV budget of {budget} bytes holds no block: {kv_plan.explanation}",
-                                  param="kv_cache_bytes")
-    logger.info("KV cache (%s): %s", kv_dtype, kv_plan.explanation)
-    try:
-        kv_cache = allocate_kv_cache(mc, kv_plan, kv_dtype, device, dtype)
-    except ValueError as e:
-        raise InvalidRequestError(str(e), param="kv_cache_dtype") from e
+    kv_plan, kv_cache = build_kv_cache(resolved, mc, draft, budget, device, dtype)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
     scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters)

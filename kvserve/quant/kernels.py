@@ -31,6 +31,12 @@ class Int8Kernel:
         self.codes = weight.codes.to(device).contiguous()
         self.scales = weight.scales.to(device=device, dtype=COMPUTE_DTYPE)
         self.out_features, self.in_features = weight.shape
+        self._packed_op = True
+        try:                       # a build without the op on this device: widen codes per call
+            torch.ops.aten._weight_int8pack_mm(torch.zeros(1, self.in_features, dtype=COMPUTE_DTYPE,
+                                                           device=device), self.codes, self.scales)
+        except (RuntimeError, NotImplementedError):
+            self._packed_op = False
 
     @property
     def nbytes(self) -> int:
@@ -38,8 +44,10 @@ class Int8Kernel:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> [T, out] in x's dtype."""
-        y = torch.ops.aten._weight_int8pack_mm(x.to(COMPUTE_DTYPE), self.codes, self.scales)
-        return y.to(x.dtype)
+        xc = x.to(COMPUTE_DTYPE)
+        if self._packed_op:
+            return torch.ops.aten._weight_int8pack_mm(xc, self.codes, self.scales).to(x.dtype)
+        return (xc @ self.codes.to(COMPUTE_DTYPE).t()).mul_(self.scales).to(x.dtype)
 
 
 class Int4Kernel:

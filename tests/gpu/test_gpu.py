@@ -54,3 +54,28 @@ def test_lora_fp32_gpu_matches_cpu(model_path, prompts, tmp_path):
     ref, ours = runs
     compare_greedy([r.outputs[0].token_ids for r in ref], [o.outputs[0].token_ids for o in ours],
                    [top2_gaps_from_logprobs(r.outputs[0].logprobs) for r in ref])
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantised_kernels_on_cuda_match_the_cpu_reference(scheme):
+    """The CUDA int8 / int4 kernels against float64 on the same codes (the CPU bound)."""
+    from kvserve.quant.formats import Int4Weight, as_format
+    from kvserve.quant.kernels import COMPUTE_DTYPE, make_kernel
+    w = torch.randn(256, 256, generator=torch.Generator().manual_seed(0)) * 0.05
+    q = as_format(w, scheme)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(1))
+    got = make_kernel(q, torch.device("cuda"))(x.cuda()).double().cpu()
+    deq = q.dequantize() if scheme == "int8" else Int4Weight(
+        q.codes, q.scales.bfloat16().float(), q.zeros.bfloat16().float(), q.group_size).dequantize()
+    x_in = x.to(COMPUTE_DTYPE).double()
+    assert bool(((got - x_in @ deq.t()).abs() <= (x_in.abs() @ deq.abs().t()) * 2.0 ** -7 + 1e-6).all())
+
+
+def test_int4_engine_on_cuda(model_path, prompts):
+    from kvserve import LLM
+    gpu = LLM(model_path, device="cuda", quantization="int4", kv_cache_dtype="int8", kv_cache_bytes=2**30)
+    out = gpu.generate([{"prompt_token_ids": p} for p in prompts[:4]],
+                       SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert all(len(o.outputs[0].token_ids) == 8 for o in out)
+    assert gpu.engine.runner.model.weight_layouts["down_proj"] == "int4"
+    gpu.engine.check_integrity()
