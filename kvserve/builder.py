@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from kvserve.engine.bandwidth import measure_copy_bandwidth
 from kvserve.engine.config import EngineConfig, resolve
 from kvserve.engine.cpu_dtype import pick_cpu_dtype
 from kvserve.engine.engine_core import EngineCore
@@ -84,10 +85,11 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     if resolved.num_threads:
         torch.set_num_threads(resolved.num_threads)
     device, dtype = torch.device(resolved.device), torch_dtype(resolved.dtype)
-    model = load_model(checkpoint, device, dtype, resolved.quantization)
+    bandwidth = measure_copy_bandwidth(device)     # once, for both models' bs=1 bound
+    model = load_model(checkpoint, device, dtype, resolved.quantization, bandwidth)
     draft_path = entry.draft_model_path(spec) if entry else None
     draft = (load_model(load_checkpoint(draft_path, direct_types(resolved.quantization)), device, dtype,
-                        resolved.quantization) if draft_path else None)
+                        resolved.quantization, bandwidth) if draft_path else None)
     adapters, batch = None, None
     if resolved.lora is not None:
         from kvserve.lora.build import build_lora

@@ -16,11 +16,13 @@ def torch_dtype(name: str) -> torch.dtype:
     return TORCH_DTYPES[name]
 
 
-def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantization: str = "none"):
+def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantization: str = "none",
+               bandwidth: float | None = None):
     """Build the checkpoint's architecture, load its tensors, move it to ``device`` in
     ``dtype`` (rotary tables stay fp32), quantise its decoder projections
     (``quantization`` "int8" / "int4", ``kvserve.quant``) and pack the float ones for
-    that device. The checkpoint's tensors are released as they are consumed."""
+    that device. The checkpoint's tensors are released as they are consumed. The log's
+    bs=1 bound uses ``bandwidth`` (bytes/s; measured here when None)."""
     from kvserve.engine.bandwidth import decode_bound_text, measure_copy_bandwidth
     from kvserve.models.registry import build_model
 
@@ -38,6 +40,6 @@ def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantizatio
                 checkpoint.config.name or checkpoint.config.architecture, str(dtype).removeprefix("torch."),
                 quantization, f" {sources}" if sources else "",
                 decode_bound_text(model.weight_bytes(), model.decode_read_bytes(),
-                                  measure_copy_bandwidth(device)), layouts)
+                                  bandwidth or measure_copy_bandwidth(device)), layouts)
     model.weight_layouts = layouts
     return model
