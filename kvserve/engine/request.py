@@ -9,6 +9,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from kvserve.engine.service_class import ServiceClass
 from kvserve.sampling.params import SamplingParams
 
 
@@ -27,6 +28,8 @@ class EngineRequest:
       finishes (a conversation turn whose next message is expected); None = the engine's.
     - ``num_speculative_tokens``: most lookahead (draft) tokens per step; None = the
       engine's setting, 0 = never speculate; ignored when speculation is off.
+    - ``service_class``: the latency class (``engine/service_class.py``: interactive,
+      chat, batch); the scheduling policy reads it, the tokens never depend on it.
     """
 
     request_id: str
@@ -40,6 +43,7 @@ class EngineRequest:
     use_prefix_cache: bool = True
     prefix_cache_grace_s: float | None = None
     num_speculative_tokens: int | None = None
+    service_class: ServiceClass = ServiceClass.CHAT
 
 
 class RequestStatus(str, enum.Enum):

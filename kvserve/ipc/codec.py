@@ -21,6 +21,7 @@ from typing import Any
 import msgpack
 
 from kvserve.engine.request import EngineRequest
+from kvserve.engine.service_class import ServiceClass
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.step import SampledToken, SeqUpdate
 from kvserve.sampling.params import SamplingParams
@@ -214,6 +215,8 @@ def from_wire(raw: Any):
             raw["params"] = SamplingParams(**raw["params"])
             if raw.get("eos_token_ids") is not None:
                 raw["eos_token_ids"] = frozenset(raw["eos_token_ids"])
+            if "service_class" in raw:
+                raw["service_class"] = ServiceClass(raw["service_class"])
         return cls(**raw)
     except (TypeError, KeyError, ValueError) as exc:
         raise CodecError(f"malformed {cls.__name__}: {exc}") from exc
