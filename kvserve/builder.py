@@ -29,7 +29,9 @@ from kvserve.engine.kv.prefix_cache import PrefixCache
 from kvserve.engine.kv.tensors import allocate_kv_cache, default_kv_budget_bytes, plan_kv_cache
 from kvserve.engine.model_loading import load_model, torch_dtype
 from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.policy import FcfsPolicy
 from kvserve.engine.scheduler import Scheduler
+from kvserve.engine.slo_policy import SloPolicy
 from kvserve.errors import InvalidRequestError
 from kvserve.quant.transform import direct_types
 from kvserve.speculative.config import speculative_config
@@ -66,6 +68,13 @@ def build_kv_cache(resolved, mc, draft, budget: int, device: torch.device, dtype
         raise InvalidRequestError(str(e), param="kv_cache_dtype") from e
 
 
+def build_policy(resolved):
+    """The scheduling policy the resolved config names."""
+    if resolved.scheduling_policy == "fcfs":
+        return FcfsPolicy()
+    return SloPolicy(resolved.slo)
+
+
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again."""
     from kvserve.attention import get_backend
@@ -99,7 +108,8 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     kv_plan, kv_cache = build_kv_cache(resolved, mc, draft, budget, device, dtype)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
-    scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters)
+    scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters,
+                          build_policy(resolved))
     sampler = Sampler(seed=resolved.seed)
     verifier = Verifier(sampler, resolved.seed, device) if spec else None
     backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)

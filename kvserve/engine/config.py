@@ -9,12 +9,15 @@ from dataclasses import dataclass
 from kvserve.config import ModelConfig
 from kvserve.engine.admission import check_grace_s
 from kvserve.engine.scheduler import SchedulerConfig
+from kvserve.engine.service_class import parse_class
+from kvserve.engine.slo_policy import DEFAULT_TARGETS, ClassTargets, SloPolicySettings
 from kvserve.errors import InvalidRequestError
 
 DTYPE_NAMES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
                "float16": "float16", "fp16": "float16"}
 QUANTIZATIONS = ("none", "int8", "int4")
 QUANTIZED_KV_DTYPES = ("int8", "fp8_e4m3", "fp8_e5m2")
+SCHEDULING_POLICIES = ("slo", "fcfs")
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,15 @@ class EngineConfig:
     max_cpu_loras: int | None = None
     max_lora_rank: int = 16
     lora_modules: dict | None = None
+    # Scheduling (docs/latency_classes.md): "slo" (request classes with TTFT/TPOT targets)
+    # or "fcfs" (priority, then arrival). class_targets overrides targets per class, e.g.
+    # {"interactive": {"tpot_s": 0.1}}; batch_window_s: how long a new batch-class request
+    # may wait to share a step.
+    scheduling_policy: str = "slo"
+    class_targets: dict | None = None
+    batch_window_s: float = 0.0
+    max_passed_over_steps: int = 32
+    min_step_tokens: int = 32
 
 
 @dataclass(frozen=True)
@@ -66,6 +78,8 @@ class ResolvedConfig:
     quantization: str = "none"            # "none", "int8", "int4"
     kv_cache_dtype: str = "float32"       # a DTYPE_NAMES value or one of QUANTIZED_KV_DTYPES
     dtype_reason: str = ""                # why ``dtype`` was chosen (logged at start)
+    scheduling_policy: str = "slo"        # "slo" or "fcfs"
+    slo: SloPolicySettings | None = None  # the SLO policy's settings (None for fcfs)
 
 
 @dataclass(frozen=True)
@@ -102,7 +116,37 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
         enable_prefix_cache=config.enable_prefix_cache,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                   config.prefix_cache_grace_s),
-        quantization=config.quantization, kv_cache_dtype=kv_dtype, dtype_reason=reason)
+        quantization=config.quantization, kv_cache_dtype=kv_dtype, dtype_reason=reason,
+        scheduling_policy=config.scheduling_policy, slo=resolve_slo(config))
+
+
+def resolve_slo(config: EngineConfig) -> SloPolicySettings | None:
+    """The SLO policy's settings (None with the fcfs policy); class targets merged over
+    the defaults field by field."""
+    if config.scheduling_policy not in SCHEDULING_POLICIES:
+        raise InvalidRequestError(f"unknown scheduling_policy {config.scheduling_policy!r}; choose from "
+                                  f"{list(SCHEDULING_POLICIES)}", param="scheduling_policy")
+    if config.scheduling_policy != "slo":
+        return None
+    if not 0.0 <= config.batch_window_s <= 10.0:
+        raise InvalidRequestError("batch_window_s must be within [0, 10] seconds", param="batch_window_s")
+    for name in ("max_passed_over_steps", "min_step_tokens"):
+        if getattr(config, name) < 1:
+            raise InvalidRequestError(f"{name} must be >= 1", param=name)
+    targets = dict(DEFAULT_TARGETS)
+    for name, fields in (config.class_targets or {}).items():
+        try:
+            service_class = parse_class(name)
+            merged = {**vars(targets[service_class]), **fields}
+            targets[service_class] = ClassTargets(float(merged["ttft_s"]), float(merged["tpot_s"]),
+                                                  bool(merged["shapes_budget"]))
+        except (ValueError, TypeError, KeyError) as e:
+            raise InvalidRequestError(f"class_targets[{name!r}]: {e}", param="class_targets") from None
+        if set(fields) - {"ttft_s", "tpot_s", "shapes_budget"}:
+            raise InvalidRequestError(f"class_targets[{name!r}]: fields are ttft_s, tpot_s, shapes_budget",
+                                      param="class_targets")
+    return SloPolicySettings(targets, config.batch_window_s, config.max_passed_over_steps,
+                             config.min_step_tokens)
 
 
 def resolve_dtype(name: str, device: str, pick_cpu_dtype=None) -> tuple[str, str]:

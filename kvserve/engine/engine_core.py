@@ -46,6 +46,7 @@ class EngineCore:
         self.limits = EngineLimits(config.max_model_len, model_config.vocab_size, config.block_size,
                                    kv_plan.num_blocks, kv_plan.max_tokens)
         self.num_steps = 0
+        self._last_plan_empty = False
 
     @property
     def block_pool(self):
@@ -119,14 +120,21 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def idle_wait_s(self) -> float | None:
+        """When the last step was empty because the policy holds requests back (a batching
+        window): seconds until one may run, for a caller that would otherwise spin."""
+        return self.scheduler.wake_in_s() if self._last_plan_empty else None
+
     # -------------------------------------------------------------------- step
     def step(self) -> list[SeqUpdate]:
         """One engine step; returns what each sequence produced."""
         plan = self.scheduler.schedule()
+        self._last_plan_empty = plan.is_empty
         if not plan.is_empty:
             self.speculator.extend(plan, self.scheduler)
         result = self.runner.execute(plan)
         self.num_steps += 1
+        self.scheduler.observe_step(plan.num_tokens, result.forward_time_s)
         updates = self.scheduler.update(plan, result)
         if not plan.is_empty:
             self.speculator.observe(plan, result, updates)

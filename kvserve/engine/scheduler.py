@@ -1,13 +1,15 @@
 """Token-budget scheduler: continuous batching with chunked prefill and preemption.
 
 There are no prefill and decode phases. Every sequence has ``num_computed_tokens``
-and a number of tokens to compute; each step hands out ``max_num_batched_tokens``
-across sequences, running ones first (oldest, highest priority first), then
-waiting ones in (priority, arrival) order. The scheduler decides who runs and how
-many tokens; the ``KVCacheManager`` decides which blocks: when it cannot find
-enough (after evicting unlocked cached blocks), the newest lowest-priority running
-sequence is preempted by recompute and returns to the waiting queue at its
-original place.
+and a number of tokens to compute; each step hands out a token budget across
+sequences, running ones first, then waiting ones. A ``SchedulingPolicy``
+(``engine/policy.py``) gives the order, the step's budget, the part of it running
+sequences leave for waiting ones, and who waits or may preempt (FCFS by default:
+priority, arrival, the whole ``max_num_batched_tokens``). The scheduler decides who
+runs and how many tokens; the ``KVCacheManager`` decides which blocks: when it
+cannot find enough (after evicting unlocked cached blocks), the last running
+sequence in the policy's order is preempted by recompute and returns to the
+waiting queue at its original place.
 
 A ``ResidencyGate`` (LoRA slots) may hold a waiting sequence back until the weights it
 needs are resident; later sequences whose weights are resident go ahead of it.
@@ -22,9 +24,12 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
 from dataclasses import dataclass
+from typing import Callable
 
 from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.policy import FcfsPolicy, SchedulingPolicy
 from kvserve.engine.prompt_logprobs import new_prompt_logprobs, wants_prompt_logprobs
 from kvserve.engine.request import EngineRequest, RequestStatus
 from kvserve.engine.residency import OpenGate, ResidencyGate
@@ -45,13 +50,16 @@ class Scheduler:
     """Owns sequences; produces StepPlans, consumes StepResults; asks ``kv`` for blocks."""
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int | None = None,
-                 eos_token_ids: frozenset[int] = frozenset(), gate: ResidencyGate | None = None):
+                 eos_token_ids: frozenset[int] = frozenset(), gate: ResidencyGate | None = None,
+                 policy: SchedulingPolicy | None = None, clock: Callable[[], float] = time.monotonic):
         self.config = config
         self.kv = kv
         self.gate = gate or OpenGate()
+        self.policy = policy or FcfsPolicy()
+        self.clock = clock                     # arrival times and the policy's "now" (seconds)
         self.max_model_len = max_model_len     # lookahead never runs past it; default max_tokens
         self.eos_token_ids = eos_token_ids     # for requests that name none
-        self._waiting: list[tuple[tuple[int, int, int], Sequence]] = []   # heap by sort_key
+        self._waiting: list[tuple[tuple, Sequence]] = []   # heap by the policy's sort key
         self._running: list[Sequence] = []
         self._seqs: dict[int, Sequence] = {}
         self._by_request: dict[str, list[Sequence]] = {}
@@ -100,14 +108,15 @@ class Scheduler:
         # prompt logprobs need every prompt position computed: no cache reads
         namespace = self.kv.namespace_for(adapter_key, request.cache_salt,
                                           request.use_prefix_cache and params.prompt_logprobs is None)
-        arrival = next(self._arrivals)
+        arrival, now = next(self._arrivals), self.clock()
 
         def make(sibling: int) -> Sequence:
             return Sequence(seq_id=next(self._seq_ids), request_id=request.request_id, sibling_index=sibling,
                             prompt_token_ids=prompt, params=params, max_tokens=max_tokens, eos_token_ids=eos,
                             priority=request.priority, arrival_index=arrival, cache_namespace=namespace,
                             cache_grace_s=request.prefix_cache_grace_s,
-                            max_lookahead_tokens=request.num_speculative_tokens, adapter_key=adapter_key)
+                            max_lookahead_tokens=request.num_speculative_tokens, adapter_key=adapter_key,
+                            service_class=request.service_class, arrival_time=now)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
@@ -115,7 +124,7 @@ class Scheduler:
             self.gate.register(seq.seq_id, adapter_key)
         self._seqs[leader.seq_id] = leader
         self._by_request.setdefault(request.request_id, []).extend([leader, *leader.pending_fork])
-        heapq.heappush(self._waiting, (leader.sort_key, leader))
+        heapq.heappush(self._waiting, (self.policy.sort_key(leader), leader))
         return leader
 
     def abort_request(self, request_id: str) -> list[SeqUpdate]:
@@ -145,10 +154,15 @@ class Scheduler:
 
     # ---------------------------------------------------------------- schedule
     def schedule(self) -> StepPlan:
-        """Choose this step's work within the token budget and the free blocks."""
+        """Choose this step's work within the policy's token budget and the free blocks."""
         plan = StepPlan()
-        budget = self.config.max_num_batched_tokens
-        self._running.sort(key=lambda s: s.sort_key)
+        policy = self.policy
+        self._running.sort(key=policy.sort_key)
+        self._waiting = [(policy.sort_key(seq), seq) for _key, seq in self._waiting]
+        heapq.heapify(self._waiting)
+        budget = policy.begin_step(self._running, [seq for _key, seq in self._waiting],
+                                   self.config.max_num_batched_tokens,
+                                   self.config.max_num_seqs - len(self._running), self.clock())
         scheduled_ids: set[int] = set()
         index = 0
         while index < len(self._running) and budget > 0:
@@ -157,7 +171,7 @@ class Scheduler:
                 if not self._fork(seq, plan, scheduled_ids):
                     break
                 continue          # the leader and its new siblings are scheduled below
-            num_new = min(seq.num_tokens_to_compute, budget)
+            num_new = min(seq.num_tokens_to_compute, policy.tokens_left_for(seq, budget))
             if num_new == 0:
                 index += 1
                 continue
@@ -171,13 +185,31 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             budget = self._admit_waiting(plan, budget)
         plan.token_budget_left = budget
+        self._count_passed_over(plan)
         return plan
 
+    def _count_passed_over(self, plan: StepPlan) -> None:
+        """How many steps in a row each unfinished sequence was left out (the policy's
+        starvation guard reads it)."""
+        scheduled = {item.seq_id for item in plan.scheduled}
+        for seq in itertools.chain(self._running, (seq for _key, seq in self._waiting)):
+            seq.num_steps_passed_over = 0 if seq.seq_id in scheduled else seq.num_steps_passed_over + 1
+
+    def wake_in_s(self) -> float | None:
+        """Seconds until a sequence the policy holds back may be admitted (None: none is)."""
+        return self.policy.wake_in_s(self.clock())
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """The runner's measured time for a step of ``num_tokens`` tokens (for the policy)."""
+        if num_tokens:
+            self.policy.observe_step(num_tokens, seconds)
+
     def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
-        held_back = []            # the gate said not yet: they keep their place in the queue
+        held_back = []            # gate or policy said not yet: they keep their place in the queue
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0][1]
-            if not self.gate.acquire(seq.seq_id):
+            if (self.policy.holds_back(seq) or seq.seq_id in plan.preempted_seq_ids
+                    or not self.gate.acquire(seq.seq_id)):
                 held_back.append(heapq.heappop(self._waiting))
                 continue
             hit = self.kv.match(seq)
@@ -185,7 +217,12 @@ class Scheduler:
             # Nothing running: grace-protected blocks would never free themselves in time.
             if not self.kv.admit(seq, hit, num_new, include_protected=not self._running):
                 self.gate.release(seq.seq_id)
-                break             # FCFS for KV: nobody overtakes the head of the queue
+                victim = self._victim_for(seq)
+                if victim is None:
+                    break         # FCFS for KV: nobody overtakes the head of the queue
+                budget += self._unschedule(victim, plan)
+                self._preempt(victim, plan)
+                continue          # match again: the victim's blocks are free or cached now
             heapq.heappop(self._waiting)
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
@@ -195,6 +232,20 @@ class Scheduler:
         for item in held_back:
             heapq.heappush(self._waiting, item)
         return budget
+
+    def _victim_for(self, seq: Sequence) -> Sequence | None:
+        """The last running sequence the policy lets ``seq``'s admission preempt."""
+        for victim in reversed(self._running):
+            if not victim.pending_fork and self.policy.may_preempt_for(seq, victim):
+                return victim
+        return None
+
+    @staticmethod
+    def _unschedule(seq: Sequence, plan: StepPlan) -> int:
+        """Take ``seq`` out of this step's plan; the tokens it had."""
+        items = [item for item in plan.scheduled if item.seq_id == seq.seq_id]
+        plan.scheduled = [item for item in plan.scheduled if item.seq_id != seq.seq_id]
+        return sum(item.num_tokens for item in items)
 
     def _make_room(self, seq: Sequence, num_blocks: int, plan: StepPlan, scheduled_ids: set[int]) -> bool:
         """Free ``num_blocks`` blocks for ``seq``: eviction first, then preemption of the
@@ -208,7 +259,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self, protected: set[int]) -> Sequence | None:
-        for seq in reversed(self._running):          # newest, lowest priority last
+        for seq in reversed(self._running):          # last in the policy's order
             if seq.seq_id not in protected:
                 return seq
         return None
@@ -222,7 +273,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._running.remove(seq)
-        heapq.heappush(self._waiting, (seq.sort_key, seq))
+        heapq.heappush(self._waiting, (self.policy.sort_key(seq), seq))
         plan.preempted_seq_ids.append(seq.seq_id)
 
     def _fork(self, leader: Sequence, plan: StepPlan, scheduled_ids: set[int]) -> bool:
@@ -340,7 +391,9 @@ class Scheduler:
         if seq.status is SeqStatus.RUNNING:
             self._running.remove(seq)
         grace_s = seq.cache_grace_s if seq.cache_grace_s is not None else self.config.prefix_cache_grace_s
-        self.kv.free(seq, 0.0 if reason is FinishReason.ABORT else grace_s)
+        if reason is FinishReason.ABORT:
+            grace_s = self.policy.abort_grace_s(seq, grace_s)
+        self.kv.free(seq, grace_s)
         self.gate.forget(seq.seq_id)
         for child in seq.pending_fork:       # never forked: finish with the leader
             self.gate.forget(child.seq_id)

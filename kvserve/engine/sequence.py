@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from kvserve.engine.kv.prefix_cache import PrefixHandle
 from kvserve.engine.kv.cache_events import CacheNamespace
+from kvserve.engine.service_class import ServiceClass
 from kvserve.sampling.params import SamplingParams
 
 
@@ -71,6 +72,11 @@ class Sequence:
     # prompt_logprobs: prompt positions whose logprob was already reported (a recompute
     # after preemption does not report them twice). Position 0 has none.
     num_prompt_logprobs_done: int = 1
+    # Scheduling policy inputs: the request's latency class, when it was added (the
+    # scheduler's clock), and how many schedule() calls in a row passed it over.
+    service_class: ServiceClass = ServiceClass.CHAT
+    arrival_time: float = 0.0
+    num_steps_passed_over: int = 0
 
     @property
     def num_tokens(self) -> int:

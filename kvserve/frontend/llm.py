@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import fields
 from typing import Any, Sequence
 
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.request import EngineRequest
+from kvserve.engine.service_class import ServiceClass, parse_class
 from kvserve.errors import InvalidRequestError
 from kvserve.frontend.lora_request import LoRARequest
 from kvserve.frontend.output_processor import OutputProcessor
@@ -80,7 +82,8 @@ class LLM:
                  adapter_id: str | None = None, use_prefix_cache: bool = True,
                  prefix_cache_grace_s: float | None = None,
                  num_speculative_tokens: int | None = None,
-                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 service_class: str | Sequence[str] = "chat") -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         ``lora_request``: one adapter for every prompt, or one (or None) per prompt; a
@@ -91,7 +94,9 @@ class LLM:
         finish (a conversation's next turn). ``RequestOutput.num_cached_tokens`` counts
         prompt tokens served by the cache. ``num_speculative_tokens`` caps these
         requests' drafts per step when the engine speculates (0 = off); each output
-        counts its verified and accepted drafts.
+        counts its verified and accepted drafts. ``service_class``: "interactive", "chat"
+        or "batch" (or an OpenAI service tier), for every prompt or one per prompt; it
+        changes when tokens come, never which.
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -101,6 +106,7 @@ class LLM:
         if len(params_list) != len(prompt_list):
             raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
         adapter_names = self._adapter_names(lora_request, adapter_id, len(prompt_list))
+        classes = self._service_classes(service_class, len(prompt_list))
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = self.encode_prompt(prompt)
@@ -109,7 +115,8 @@ class LLM:
                                     priority[i] if priority is not None else 0, cache_salt=cache_salt,
                                     adapter_id=adapter_names[i], use_prefix_cache=use_prefix_cache,
                                     prefix_cache_grace_s=prefix_cache_grace_s,
-                                    num_speculative_tokens=num_speculative_tokens)
+                                    num_speculative_tokens=num_speculative_tokens,
+                                    service_class=classes[i])
             requests.append((text, request))
         for _text, request in requests:
             self.engine.validate_request(request)      # all or nothing
@@ -117,6 +124,16 @@ class LLM:
             self.add_request(request, text)
         results = self._run_to_completion()
         return [results[request.request_id] for _text, request in requests]
+
+    @staticmethod
+    def _service_classes(service_class: str | Sequence[str], count: int) -> list[ServiceClass]:
+        names = [service_class] * count if isinstance(service_class, str) else list(service_class)
+        if len(names) != count:
+            raise InvalidRequestError("need one service_class per prompt", param="service_class")
+        try:
+            return [parse_class(name) for name in names]
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="service_class") from None
 
     def _adapter_names(self, lora_request, adapter_id: str | None, count: int) -> list[str | None]:
         """The adapter name of each prompt, loading (or reloading) what ``lora_request`` names."""
@@ -174,4 +191,7 @@ class LLM:
         while self.engine.has_unfinished():
             for output in self.processor.process(self.engine.step()):
                 done[output.request_id] = output
+            held_s = self.engine.idle_wait_s()       # a batching window holds every request
+            if held_s:
+                time.sleep(held_s)
         return done

@@ -50,10 +50,9 @@ class EngineLoop:
     def send(self, message) -> None:
         self.sock.sendall(codec.encode(message))
 
-    def receive(self, block: bool) -> list:
-        """Messages already waiting on the socket; wait up to IDLE_POLL_S only if ``block``."""
+    def receive(self, timeout: float) -> list:
+        """Messages already waiting on the socket, waiting up to ``timeout`` seconds for the first."""
         messages = []
-        timeout = IDLE_POLL_S if block else 0.0
         while True:
             ready, _, _ = select.select([self.sock], [], [], timeout)
             if not ready:
@@ -161,7 +160,8 @@ class EngineLoop:
     def run(self) -> None:
         while self.running:
             busy = self.engine.has_unfinished()
-            messages = self.receive(block=not busy)
+            held_s = self.engine.idle_wait_s() if busy else None   # a batching window is open
+            messages = self.receive(IDLE_POLL_S if not busy else min(held_s or 0.0, IDLE_POLL_S))
             for message in messages:
                 self.handle(message)
             if not self.running:

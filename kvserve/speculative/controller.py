@@ -14,8 +14,9 @@ Pure Python (the scheduler calls it; no torch). The arithmetic:
 """
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
+
+from kvserve.engine.step_time import LinearTimeModel
 
 PRIOR_ALPHA = 0.6           # acceptance assumed before a sequence has any verification
 PRIOR_WEIGHT = 2.0          # pseudo-verifications behind that prior
@@ -27,34 +28,6 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return float(k + 1)
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
-
-
-class LinearTimeModel:
-    """Least-squares ``seconds = a + b * x`` over the most recent observations."""
-
-    def __init__(self, window: int = 512):
-        self._points: deque[tuple[float, float]] = deque(maxlen=window)
-
-    def observe(self, x: float, seconds: float) -> None:
-        self._points.append((float(x), float(seconds)))
-
-    @property
-    def num_points(self) -> int:
-        return len(self._points)
-
-    def coefficients(self) -> tuple[float, float] | None:
-        """``(a, b)`` clamped to >= 0, or None until two distinct ``x`` were seen."""
-        n = len(self._points)
-        if n < 2:
-            return None
-        mean_x = sum(p[0] for p in self._points) / n
-        mean_y = sum(p[1] for p in self._points) / n
-        var_x = sum((p[0] - mean_x) ** 2 for p in self._points)
-        if var_x <= 0.0:
-            return None
-        b = sum((p[0] - mean_x) * (p[1] - mean_y) for p in self._points) / var_x
-        b = max(b, 0.0)
-        return max(mean_y - b * mean_x, 0.0), b
 
 
 @dataclass

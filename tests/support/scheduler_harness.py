@@ -20,7 +20,7 @@ EOS = 0
 
 
 class Clock:
-    """A clock the test moves by hand (prefix-cache grace times)."""
+    """A clock the test moves by hand (prefix-cache grace times, batching windows)."""
 
     now = 0.0
 
@@ -33,13 +33,14 @@ class SchedulerHarness:
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_num_seqs: int = 8, budget: int = 32,
                  grace_s: float = 0.0, prefix_cache: bool = False, max_model_len: int | None = None,
-                 gate=None):
+                 gate=None, policy=None):
         self.pool = BlockPool(num_blocks, block_size)
         self.clock = Clock()
         self.cache = PrefixCache(self.pool, clock=self.clock) if prefix_cache else None
         self.kv = KVCacheManager(self.pool, self.cache)
         self.sched = Scheduler(SchedulerConfig(max_num_seqs, budget, grace_s), self.kv, max_model_len,
-                               frozenset([EOS]), gate)       # gate: a ResidencyGate (None: open)
+                               frozenset([EOS]), gate, policy,    # gate: a ResidencyGate (None: open)
+                               clock=self.clock)                  # policy: None = FCFS
         self.seqs: list[Sequence] = []
         self.plans: list[StepPlan] = []
         self.updates = []

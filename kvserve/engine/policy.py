@@ -1,0 +1,86 @@
+"""Scheduling policies: the order, the per-step token budget and the waiting rules the
+scheduler consults. The scheduler turns "who runs, how many tokens" into a plan; a
+policy only answers questions about sequences and never touches blocks or plans.
+
+One step asks, in this order::
+
+    budget = policy.begin_step(running, waiting, max_num_batched_tokens, free_seq_slots, now)
+    running in policy.sort_key order:  n = min(to compute, policy.tokens_left_for(seq, budget left))
+    waiting in policy.sort_key order:  skipped while policy.holds_back(seq);
+                                       may preempt a running seq if policy.may_preempt_for(seq, it)
+    after the forward:                 policy.observe_step(tokens, seconds)
+
+Victims of preemption are taken from the end of the running order. ``FcfsPolicy`` is
+priority then arrival order with the whole budget every step; ``SloPolicy``
+(``engine/slo_policy.py``) adds request classes.
+"""
+from __future__ import annotations
+
+from typing import Protocol, Sequence as Seq
+
+from kvserve.engine.sequence import Sequence
+
+
+class SchedulingPolicy(Protocol):
+    """What the scheduler asks each step (plain numbers and sequences, no tensors)."""
+
+    def sort_key(self, seq: Sequence) -> tuple:
+        """Order among running sequences (served first, preempted last) and among
+        waiting ones (admitted first). Must be unique per sequence."""
+
+    def begin_step(self, running: Seq[Sequence], waiting: Seq[Sequence], max_num_batched_tokens: int,
+                   free_seq_slots: int, now: float) -> int:
+        """Start a step: the step's token budget (1..max_num_batched_tokens); the
+        answers of the calls below hold for this step."""
+
+    def tokens_left_for(self, seq: Sequence, budget_left: int) -> int:
+        """How much of ``budget_left`` the running ``seq`` may use now (the rest is kept
+        for waiting sequences that outrank it)."""
+
+    def holds_back(self, seq: Sequence) -> bool:
+        """True: the waiting ``seq`` is not admitted this step (it keeps its place)."""
+
+    def may_preempt_for(self, seq: Sequence, victim: Sequence) -> bool:
+        """True: admitting the waiting ``seq`` may preempt the running ``victim`` when
+        KV blocks are short (recompute; the victim returns to the waiting queue)."""
+
+    def abort_grace_s(self, seq: Sequence, grace_s: float) -> float:
+        """Seconds an aborted ``seq``'s cached blocks stay unevictable (``grace_s``: what
+        a finished one would get)."""
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        """A step of ``num_tokens`` tokens took ``seconds`` (forward and sampling)."""
+
+    def wake_in_s(self, now: float) -> float | None:
+        """When nothing is runnable because sequences are held back: seconds until one
+        may be admitted (the engine waits that long for new messages); None otherwise."""
+
+
+class FcfsPolicy:
+    """First come, first served within ``priority``; the whole budget every step;
+    aborted requests' blocks get no grace."""
+
+    def sort_key(self, seq: Sequence) -> tuple:
+        return seq.sort_key
+
+    def begin_step(self, running, waiting, max_num_batched_tokens: int, free_seq_slots: int,
+                   now: float) -> int:
+        return max_num_batched_tokens
+
+    def tokens_left_for(self, seq: Sequence, budget_left: int) -> int:
+        return budget_left
+
+    def holds_back(self, seq: Sequence) -> bool:
+        return False
+
+    def may_preempt_for(self, seq: Sequence, victim: Sequence) -> bool:
+        return False
+
+    def abort_grace_s(self, seq: Sequence, grace_s: float) -> float:
+        return 0.0
+
+    def observe_step(self, num_tokens: int, seconds: float) -> None:
+        pass
+
+    def wake_in_s(self, now: float) -> float | None:
+        return None
