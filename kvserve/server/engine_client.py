@@ -295,7 +295,7 @@ class EngineClient:
             tracked = self.requests.pop(output.request_id, None)
             if tracked is not None:
                 self.metrics.e2e.observe(now - tracked.arrival)
-                self._end(tracked, now)
+                self._end(tracked, now, finished=True)
                 for completion in output.outputs:
                     self.metrics.finished.inc(finish_reason=completion.finish_reason or "unknown")
                 tracked.sink.put_nowait((tracked.tag, output))
@@ -310,10 +310,12 @@ class EngineClient:
             self.metrics.queue.observe(now - tracked.arrival)
             self.metrics.classes.observe_queue(tracked.service_class, max(0.0, step_start - tracked.arrival))
 
-    def _end(self, tracked: TrackedRequest, now: float) -> None:
-        """The request ended (finished, aborted or failed): its finish time and class metrics."""
+    def _end(self, tracked: TrackedRequest, now: float, finished: bool = False) -> None:
+        """The request ended (``finished``, else aborted or failed): its finish time and class
+        metrics (the time per output token only of a finished one)."""
         tracked.finish_time = now
-        self.metrics.classes.observe_end(tracked.service_class, tracked.time_per_output_token())
+        tpot = tracked.time_per_output_token() if finished else None
+        self.metrics.classes.observe_end(tracked.service_class, tpot)
 
     def _record_tokens(self, tracked: TrackedRequest, index: int, count: int, now: float,
                        step_start: float) -> None:
