@@ -137,11 +137,15 @@ class EngineStatsUpdate:
 @dataclass
 class StepOutputs:
     """What one engine step produced, plus the request ids that were scheduled for the
-    first time (their queue time ended) and the engine's stats after the step."""
+    first time (their queue time ended) and the engine's stats after the step.
+    ``step_start`` is the engine process's ``time.monotonic()`` just before the step
+    scheduled (CLOCK_MONOTONIC is system-wide, so the HTTP process compares it with its
+    own readings); 0.0 = not known."""
 
     updates: list[SeqUpdate]
     started: list[str] = field(default_factory=list)
     stats: EngineStats = field(default_factory=EngineStats)
+    step_start: float = 0.0
 
 
 @dataclass
@@ -188,7 +192,8 @@ def to_wire(message) -> dict:
         raise CodecError(f"not a codec message: {name}")
     if isinstance(message, StepOutputs):
         return {"t": name, "updates": [_update_to_wire(u) for u in message.updates],
-                "started": message.started, "stats": message.stats.to_dict()}
+                "started": message.started, "stats": message.stats.to_dict(),
+                "step_start": float(message.step_start)}
     if isinstance(message, EngineStatsUpdate):
         return {"t": name, "stats": message.stats.to_dict()}
     body = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
@@ -208,7 +213,7 @@ def from_wire(raw: Any):
     try:
         if cls is StepOutputs:
             return StepOutputs([_update_from_wire(u) for u in raw["updates"]], raw["started"],
-                               EngineStats.from_dict(raw["stats"]))
+                               EngineStats.from_dict(raw["stats"]), float(raw["step_start"]))
         if cls is EngineStatsUpdate:
             return EngineStatsUpdate(EngineStats.from_dict(raw["stats"]))
         if cls is EngineRequest:

@@ -23,6 +23,7 @@ import os
 import select
 import socket
 import sys
+import time
 
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.stats import EngineStats
@@ -122,11 +123,12 @@ class EngineLoop:
 
     # ----------------------------------------------------------------- step
     def step(self) -> None:
+        step_start = time.monotonic()             # the step's schedule() comes next: queue time ends here
         updates = self.engine.step()
         started = self._newly_started()
         if self._dirty or any(u.finish_reason is not None for u in updates):
             self._prune()
-        self.send(codec.StepOutputs(updates, started, self.stats()))
+        self.send(codec.StepOutputs(updates, started, self.stats(), step_start))
 
     def _prune(self) -> None:
         """Forget requests the scheduler no longer holds (finished, stopped or aborted)."""

@@ -5,6 +5,10 @@ auth (middleware) -> content type (415) -> body size (413) -> UTF-8 / JSON (400)
 -> fields (400, naming the field) -> model: the base or a LoRA adapter (404)
 -> starting / draining (503) -> tokenise, context length (400) -> queue bound
 (503 + Retry-After) -> engine.
+
+Every generation response carries ``Server-Timing`` (``timing.py``): a whole body all
+four phases; a stream sends its headers once its first token is in (queue, prefill,
+ttft) and ends with a ``: server-timing total;dur=...`` comment before ``[DONE]``.
 """
 from __future__ import annotations
 
@@ -20,13 +24,15 @@ from starlette.requests import ClientDisconnect
 
 from kvserve.errors import KVServeError
 from kvserve.server import lora, protocol
-from kvserve.server.auth import AuthMiddleware
+from kvserve.server.auth import AuthMiddleware, KeyGrant
+from kvserve.server.classes import choose_class
 from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFoundError, ServiceUnavailableError,
                                    UnsupportedMediaTypeError)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenSpeller
 from kvserve.server.serving import Generation, prepare_prompts
 from kvserve.server.state import ServerState
+from kvserve.server.timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger("kvserve.server")
 
@@ -42,7 +48,7 @@ class ServingContext:
     metrics: ServerMetrics
     max_body_bytes: int = 4 * 2**20
     default_deadline_s: float | None = None
-    api_keys: dict[str, str] = field(default_factory=dict)
+    api_keys: dict[str, KeyGrant | str] = field(default_factory=dict)   # key -> grant (or bare tenant)
     admin_key: str | None = None                   # --admin-api-key: required on the admin routes
     client: object = None                          # EngineClient once started
     active: set = field(default_factory=set)       # Generations in flight
@@ -53,18 +59,23 @@ class ServingContext:
 
 
 # ------------------------------------------------------------------- errors
-def error_response(err: KVServeError) -> JSONResponse:
-    headers = {}
+def error_response(err: KVServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    headers = dict(headers or {})
     if isinstance(err, ServiceUnavailableError):
         headers["Retry-After"] = str(err.retry_after_s)
     return JSONResponse(err.to_dict(), status_code=err.http_status, headers=headers)
 
 
+def rejection(ctx: ServingContext, err: KVServeError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """A typed error's response, counted in ``kvserve_requests_rejected_total``."""
+    ctx.metrics.rejected.inc(status=str(err.http_status), code=str(err.code))
+    return error_response(err, headers)
+
+
 def _install_error_handlers(app: FastAPI, ctx: ServingContext) -> None:
     @app.exception_handler(KVServeError)
     async def _typed(request: Request, err: KVServeError):
-        ctx.metrics.rejected.inc(status=str(err.http_status), code=str(err.code))
-        return error_response(err)
+        return rejection(ctx, err)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException):
@@ -118,20 +129,29 @@ async def _watch_disconnect(receive, generation: Generation) -> None:
 
 class EventStreamResponse(Response):
     """SSE response that watches for the client going away while it streams, so a
-    disconnect aborts the request at once, not at the next write."""
+    disconnect aborts the request at once, not at the next write. ``prefetched`` chunks
+    (taken from ``events`` before the headers were built) go out first; ``watcher`` is
+    the disconnect watcher already running, if any."""
 
-    def __init__(self, generation: Generation):        # no body, no content-length
-        self.status_code = 200
+    def __init__(self, generation: Generation, events=None, prefetched: list[bytes] = (),
+                 headers: dict[str, str] | None = None, watcher: asyncio.Task | None = None):
+        self.status_code = 200                          # no body, no content-length
         self.background = None
         self.raw_headers = [(b"content-type", b"text/event-stream; charset=utf-8"),
-                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+                            (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no"),
+                            *((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in (headers or {}).items())]
         self.generation = generation
+        self.events = events
+        self.prefetched = list(prefetched)
+        self.watcher = watcher
 
     async def __call__(self, scope, receive, send) -> None:
-        watcher = asyncio.create_task(_watch_disconnect(receive, self.generation))
-        events = self.generation.stream()
+        watcher = self.watcher or asyncio.create_task(_watch_disconnect(receive, self.generation))
+        events = self.events if self.events is not None else self.generation.stream()
         try:
             await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            for chunk in self.prefetched:
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
             async for chunk in events:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
@@ -142,13 +162,42 @@ class EventStreamResponse(Response):
             await events.aclose()
 
 
+async def _prefetch(events, generation: Generation) -> list[bytes]:
+    """The stream's chunks up to the first one sent after its first token (or all of
+    them, if it ends before any token): the headers then know queue, prefill and ttft."""
+    chunks = []
+    while True:
+        try:
+            chunks.append(await events.__anext__())
+        except StopAsyncIteration:
+            return chunks
+        if generation.first_token_seen:
+            return chunks
+
+
+async def _stream_response(request: Request, generation: Generation) -> EventStreamResponse:
+    """The SSE response, its headers built once the first token is in."""
+    watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
+    events = generation.stream()
+    try:
+        prefetched = await _prefetch(events, generation)
+    except BaseException:
+        watcher.cancel()
+        await events.aclose()
+        raise
+    headers = {SERVER_TIMING: generation.server_timing(ended=False)}
+    return EventStreamResponse(generation, events, prefetched, headers, watcher)
+
+
 async def generate(request: Request, ctx: ServingContext, kind: str):
     body = await read_json(request, ctx)
     spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
     adapter = select_adapter(ctx, spec.model)
     ctx.state.check_accepting(ctx.client)
     prompts = prepare_prompts(spec, ctx.tokenizer, ctx.client.info)
-    generation = Generation(ctx, spec, prompts, request.scope.get("state", {}).get("tenant"), adapter)
+    scope_state = request.scope.get("state", {})
+    service_class = choose_class(scope_state.get("service_class"), spec.service_class)
+    generation = Generation(ctx, spec, prompts, scope_state.get("tenant"), adapter, service_class)
     ctx.state.admit(ctx.client, len(prompts), generation.num_prompt_tokens)
     try:
         generation.submit()
@@ -156,15 +205,17 @@ async def generate(request: Request, ctx: ServingContext, kind: str):
         generation.close()
         raise
     if spec.stream:
-        return EventStreamResponse(generation)
+        return await _stream_response(request, generation)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
     try:
         result = await generation.collect()
+    except KVServeError as err:                           # deadline, engine refusal: whatever timing is known
+        return rejection(ctx, err, {SERVER_TIMING: generation.server_timing()})
     finally:
         watcher.cancel()
     if result is None:
         return Response(status_code=499)                  # nobody is listening any more
-    return JSONResponse(result)
+    return JSONResponse(result, headers={SERVER_TIMING: generation.server_timing()})
 
 
 # ------------------------------------------------------------------ routes

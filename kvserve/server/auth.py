@@ -1,11 +1,14 @@
 """Optional API keys: ``Authorization: Bearer <key>`` on every route but /health and /ready.
 
 Keys map to tenant names (``--api-key`` gives tenant "default"; ``--api-keys-file``
-holds one ``KEY TENANT`` pair per line, or a JSON object ``{"KEY": "TENANT"}``).
+holds one ``KEY TENANT [CLASS]`` line per key, or a JSON object whose values are a
+tenant string or ``{"tenant": "...", "service_class": "..."}``). CLASS pins the
+tenant to a latency class (``interactive``/``chat``/``batch`` or a service tier name):
+its requests run in that class whatever ``service_tier`` they ask for.
 A presented key is compared with every configured key in constant time, so the
 answer's timing does not tell how much of a key matched, nor which key it was.
 The tenant goes into ``scope["state"]["tenant"]`` for the engine (prefix-cache
-isolation).
+isolation), the pinned class (None: not pinned) into ``scope["state"]["service_class"]``.
 
 Admin routes (``/admin/*``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) sit
 behind the same keys. With ``--admin-api-key`` they need that key instead: another
@@ -16,7 +19,9 @@ from __future__ import annotations
 
 import hmac
 import json
+from dataclasses import dataclass
 
+from kvserve.engine.service_class import ServiceClass, parse_class
 from kvserve.server.errors import AuthenticationError, PermissionDeniedError
 
 PUBLIC_PATHS = frozenset({"/health", "/ready"})
@@ -37,29 +42,69 @@ def cache_salt(tenant: str | None) -> str:
     return NO_AUTH_CACHE_SALT if tenant is None else "tenant:" + tenant
 
 
-def load_keys(api_key: str | None = None, keys_file: str | None = None) -> dict[str, str]:
-    """key -> tenant from the command line options (empty: authentication off)."""
-    keys: dict[str, str] = {}
+@dataclass(frozen=True)
+class KeyGrant:
+    """What an API key grants: its tenant and, optionally, the class its requests are pinned to."""
+
+    tenant: str
+    service_class: ServiceClass | None = None
+
+
+def as_grant(value: KeyGrant | str) -> KeyGrant:
+    """A configured key's grant (a bare string is a tenant without a pinned class)."""
+    return value if isinstance(value, KeyGrant) else KeyGrant(value)
+
+
+def load_keys(api_key: str | None = None, keys_file: str | None = None) -> dict[str, KeyGrant]:
+    """key -> grant from the command line options (empty: authentication off)."""
+    keys: dict[str, KeyGrant] = {}
     if api_key:
-        keys[api_key] = "default"
+        keys[api_key] = KeyGrant("default")
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:
             text = f.read()
-        if text.lstrip().startswith("{"):
-            loaded = json.loads(text)
-            if not all(isinstance(k, str) and isinstance(v, str) for k, v in loaded.items()):
-                raise ValueError(f"{keys_file}: expected a JSON object of key -> tenant strings")
-            keys.update(loaded)
-        else:
-            for number, line in enumerate(text.splitlines(), 1):
-                parts = line.split()
-                if not parts or parts[0].startswith("#"):
-                    continue
-                if len(parts) != 2:
-                    raise ValueError(f"{keys_file}:{number}: expected 'KEY TENANT'")
-                keys[parts[0]] = parts[1]
+        keys.update(_json_keys(text, keys_file) if text.lstrip().startswith("{") else _text_keys(text, keys_file))
     if any(not k for k in keys):
         raise ValueError("API keys must not be empty")
+    return keys
+
+
+def _text_keys(text: str, keys_file: str) -> dict[str, KeyGrant]:
+    """``KEY TENANT [CLASS]`` lines; blank lines and ``#`` comments skipped."""
+    keys = {}
+    for number, line in enumerate(text.splitlines(), 1):
+        parts = line.split()
+        if not parts or parts[0].startswith("#"):
+            continue
+        if len(parts) not in (2, 3):
+            raise ValueError(f"{keys_file}:{number}: expected 'KEY TENANT' or 'KEY TENANT CLASS'")
+        try:
+            pinned = parse_class(parts[2]) if len(parts) == 3 else None
+        except ValueError as exc:
+            raise ValueError(f"{keys_file}:{number}: {exc}") from None
+        keys[parts[0]] = KeyGrant(parts[1], pinned)
+    return keys
+
+
+def _json_keys(text: str, keys_file: str) -> dict[str, KeyGrant]:
+    """``{"KEY": "TENANT" | {"tenant": "TENANT", "service_class": CLASS | null}}``."""
+    loaded = json.loads(text)
+    expected = (f"{keys_file}: expected a JSON object of key -> tenant string or "
+                '{"tenant": ..., "service_class": ...}')
+    keys = {}
+    for key, value in loaded.items():
+        if isinstance(value, str):
+            keys[key] = KeyGrant(value)
+            continue
+        if (not isinstance(value, dict) or not isinstance(value.get("tenant"), str)
+                or set(value) - {"tenant", "service_class"}
+                or not isinstance(value.get("service_class", ""), (str, type(None)))):
+            raise ValueError(expected)
+        name = value.get("service_class")
+        try:
+            keys[key] = KeyGrant(value["tenant"], parse_class(name) if name is not None else None)
+        except ValueError as exc:
+            raise ValueError(f"{keys_file}: key of tenant {value['tenant']!r}: {exc}") from None
     return keys
 
 
@@ -73,25 +118,26 @@ def bearer_token(authorization: bytes | None) -> bytes | None:
     return presented.strip()
 
 
-def match_key(keys: dict[str, str], authorization: bytes | None) -> str | None:
-    """The tenant of a ``Bearer`` header's key, or None; compares against every key."""
+def match_key(keys: dict[str, KeyGrant | str], authorization: bytes | None) -> KeyGrant | None:
+    """The grant of a ``Bearer`` header's key, or None; compares against every key."""
     presented = bearer_token(authorization)
     if presented is None:
         return None
-    tenant = None
-    for key, name in keys.items():
+    grant = None
+    for key, value in keys.items():
         if hmac.compare_digest(presented, key.encode("utf-8")):
-            tenant = name
-    return tenant
+            grant = as_grant(value)
+    return grant
 
 
 class AuthMiddleware:
     """ASGI middleware: 401 in the OpenAI error shape unless the key matches; with an
-    admin key, admin routes need it (403 for another valid key)."""
+    admin key, admin routes need it (403 for another valid key). ``keys`` maps a key to
+    its grant (or to a bare tenant name)."""
 
-    def __init__(self, app, keys: dict[str, str], admin_key: str | None = None):
+    def __init__(self, app, keys: dict[str, KeyGrant | str], admin_key: str | None = None):
         self.app = app
-        self.keys = dict(keys)
+        self.keys = {key: as_grant(value) for key, value in keys.items()}
         self.admin_key = admin_key.encode("utf-8") if admin_key else None
 
     async def __call__(self, scope, receive, send):
@@ -99,6 +145,7 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         state = scope.setdefault("state", {})
         state["tenant"] = None
+        state["service_class"] = None
         if self.admin_key is not None and is_admin_path(scope["path"]):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             refusal = self._check_admin(header)
@@ -109,13 +156,14 @@ class AuthMiddleware:
             return await self.app(scope, receive, send)
         if self.keys and scope["path"] not in PUBLIC_PATHS:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            tenant = match_key(self.keys, header)
-            if tenant is None:
+            grant = match_key(self.keys, header)
+            if grant is None:
                 message = ("missing API key: send 'Authorization: Bearer <key>'" if header is None
                            else "invalid API key")
                 return await _send_json(send, 401, AuthenticationError(message).to_dict(),
                                         [(b"www-authenticate", b"Bearer")])
-            state["tenant"] = tenant
+            state["tenant"] = grant.tenant
+            state["service_class"] = grant.service_class
         return await self.app(scope, receive, send)
 
     def _check_admin(self, header: bytes | None):

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from kvserve.engine.request import EngineRequest
+from kvserve.engine.service_class import ServiceClass
 from kvserve.engine.stats import EngineStats
 from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import OutputProcessor
@@ -43,7 +44,8 @@ logger = logging.getLogger("kvserve.server")
 
 @dataclass
 class TrackedRequest:
-    """One engine request as the HTTP process sees it (timings feed the metrics)."""
+    """One engine request as the HTTP process sees it (timings feed the metrics and the
+    Server-Timing header; all ``time.monotonic()`` seconds)."""
 
     request_id: str
     sink: asyncio.Queue
@@ -55,6 +57,20 @@ class TrackedRequest:
     last_token_time: dict[int, float] = field(default_factory=dict)   # per completion index
     num_generated: int = 0
     adapter: str | None = None            # the LoRA adapter's name (None: the base model)
+    service_class: ServiceClass = ServiceClass.CHAT
+    scheduled_at: float | None = None     # start of the first engine step that scheduled it (engine's clock)
+    finish_time: float | None = None      # when it finished, was aborted or failed
+    tokens_per_index: dict[int, int] = field(default_factory=dict)    # tokens generated per completion index
+
+    def time_per_output_token(self) -> float | None:
+        """(last token - first token) / (tokens - 1) of the longest completion; None below two tokens."""
+        if not self.tokens_per_index or self.first_token_time is None:
+            return None
+        index = max(self.tokens_per_index, key=self.tokens_per_index.get)
+        count = self.tokens_per_index[index]
+        if count < 2:
+            return None
+        return max(0.0, self.last_token_time[index] - self.first_token_time) / (count - 1)
 
 
 class EngineClient:
@@ -138,16 +154,19 @@ class EngineClient:
 
     # -------------------------------------------------------------- requests
     def submit(self, request: EngineRequest, prompt_text: str | None, sink: asyncio.Queue, tag: int,
-               arrival: float) -> None:
-        """Send a validated request to the engine as it is; its events go to ``sink`` tagged ``tag``."""
+               arrival: float) -> TrackedRequest:
+        """Send a validated request to the engine as it is; its events go to ``sink`` tagged ``tag``.
+        The returned record keeps its timings after the request ends."""
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
         request_id, num_prompt = request.request_id, len(request.prompt_token_ids)
-        self.requests[request_id] = TrackedRequest(request_id, sink, tag, num_prompt, arrival,
-                                                   adapter=request.adapter_id)
+        tracked = TrackedRequest(request_id, sink, tag, num_prompt, arrival, adapter=request.adapter_id,
+                                 service_class=request.service_class)
+        self.requests[request_id] = tracked
         self.processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.params)
         self.metrics.prompt_tokens.inc(num_prompt)
         self._send(request)
+        return tracked
 
     async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
         """Admin: have the engine drop every prefix-cached block no running request uses;
@@ -208,6 +227,7 @@ class EngineClient:
         tracked = self.requests.pop(request_id, None)
         if tracked is None:
             return None
+        self._end(tracked, time.monotonic())
         if not self.dead:
             self._send(codec.AbortRequests([request_id]))
         output = self.processor.abort_request(request_id)
@@ -255,24 +275,27 @@ class EngineClient:
             tracked = self.requests.pop(message.request_id, None)
             self.processor.abort_request(message.request_id)
             if tracked is not None:
+                self._end(tracked, time.monotonic())
                 tracked.sink.put_nowait((tracked.tag, error_from_body(message.status, message.error)))
 
     def _on_step(self, message: codec.StepOutputs) -> None:
         now = time.monotonic()
+        step_start = message.step_start if message.step_start > 0 else now
         self.stats = message.stats
         self.metrics.update_engine(message.stats)
         for request_id in message.started:
-            self._mark_started(self.requests.get(request_id), now)
+            self._mark_started(self.requests.get(request_id), now, step_start)
         finished, deltas = self.processor.process_deltas(message.updates)
         for delta in deltas:
             tracked = self.requests.get(delta.request_id)
             if tracked is not None:
-                self._record_tokens(tracked, delta.index, len(delta.token_ids), now)
+                self._record_tokens(tracked, delta.index, len(delta.token_ids), now, step_start)
                 tracked.sink.put_nowait((tracked.tag, delta))
         for output in finished:
             tracked = self.requests.pop(output.request_id, None)
             if tracked is not None:
                 self.metrics.e2e.observe(now - tracked.arrival)
+                self._end(tracked, now, finished=True)
                 for completion in output.outputs:
                     self.metrics.finished.inc(finish_reason=completion.finish_reason or "unknown")
                 tracked.sink.put_nowait((tracked.tag, output))
@@ -280,23 +303,35 @@ class EngineClient:
             stops, self._pending_stops = self._pending_stops, []
             self._send(codec.StopSequences(stops))
 
-    def _mark_started(self, tracked: TrackedRequest | None, now: float) -> None:
+    def _mark_started(self, tracked: TrackedRequest | None, now: float, step_start: float) -> None:
         if tracked is not None and not tracked.started:
             tracked.started = True
+            tracked.scheduled_at = step_start
             self.metrics.queue.observe(now - tracked.arrival)
+            self.metrics.classes.observe_queue(tracked.service_class, max(0.0, step_start - tracked.arrival))
 
-    def _record_tokens(self, tracked: TrackedRequest, index: int, count: int, now: float) -> None:
+    def _end(self, tracked: TrackedRequest, now: float, finished: bool = False) -> None:
+        """The request ended (``finished``, else aborted or failed): its finish time and class
+        metrics (the time per output token only of a finished one)."""
+        tracked.finish_time = now
+        tpot = tracked.time_per_output_token() if finished else None
+        self.metrics.classes.observe_end(tracked.service_class, tpot)
+
+    def _record_tokens(self, tracked: TrackedRequest, index: int, count: int, now: float,
+                       step_start: float) -> None:
         if count == 0:
             return
-        self._mark_started(tracked, now)
+        self._mark_started(tracked, now, step_start)
         self.last_token_time = now
         tracked.num_generated += count
+        tracked.tokens_per_index[index] = tracked.tokens_per_index.get(index, 0) + count
         self.metrics.generation_tokens.inc(count)
         if tracked.adapter is not None:
             self.metrics.lora.generation_tokens.inc(count, adapter=tracked.adapter)
         if tracked.first_token_time is None:
             tracked.first_token_time = now
             self.metrics.ttft.observe(now - tracked.arrival)
+            self.metrics.classes.observe_ttft(tracked.service_class, now - tracked.arrival)
         previous = tracked.last_token_time.get(index)
         if previous is not None:
             gap = (now - previous) / count
@@ -317,7 +352,9 @@ class EngineClient:
         logger.error("the engine process exited unexpectedly (exit code %s); failing %d requests",
                      code, len(self.requests))
         requests, self.requests = self.requests, {}
+        now = time.monotonic()
         for tracked in requests.values():
+            self._end(tracked, now)
             self.processor.abort_request(tracked.request_id)
             tracked.sink.put_nowait((tracked.tag, ServiceUnavailableError(
                 "the engine process exited unexpectedly", code="engine_unavailable")))

@@ -9,6 +9,7 @@ import math
 import time
 from bisect import bisect_left
 
+from kvserve.engine.service_class import ServiceClass
 from kvserve.engine.stats import AdapterCounters, EngineStats
 
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5,
@@ -67,31 +68,84 @@ class Gauge(Counter):
         self.values = {tuple(sorted(labels.items())): value}
 
 
+class _HistogramSeries:
+    """One label set's buckets, sum and count."""
+
+    def __init__(self, num_buckets: int):
+        self.counts = [0] * (num_buckets + 1)     # last: +Inf
+        self.sum = 0.0
+        self.count = 0
+
+
 class Histogram:
-    """Observations counted in cumulative buckets, with their sum and count."""
+    """Observations counted in cumulative buckets, with their sum and count, per label set.
+
+    Without labels the one series is rendered even before any observation; a labelled
+    histogram renders the label sets observed so far."""
 
     kind = "histogram"
 
     def __init__(self, name: str, help_text: str, buckets: tuple[float, ...] = LATENCY_BUCKETS_S):
         self.name, self.help = name, help_text
         self.buckets = tuple(buckets)
-        self.counts = [0] * (len(self.buckets) + 1)     # last: +Inf
-        self.sum = 0.0
-        self.count = 0
+        self.series: dict[tuple, _HistogramSeries] = {}
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect_left(self.buckets, value)] += 1
-        self.sum += value
-        self.count += 1
+    def observe(self, value: float, **labels: str) -> None:
+        key = tuple(sorted(labels.items()))
+        series = self.series.get(key)
+        if series is None:
+            series = self.series[key] = _HistogramSeries(len(self.buckets))
+        series.counts[bisect_left(self.buckets, value)] += 1
+        series.sum += value
+        series.count += 1
 
     def render(self) -> list[str]:
-        lines, cumulative = [], 0
-        for bound, count in zip((*self.buckets, math.inf), self.counts):
-            cumulative += count
-            lines.append(f'{self.name}_bucket{{le="{_number(float(bound))}"}} {cumulative}')
-        lines.append(f"{self.name}_sum {_number(self.sum)}")
-        lines.append(f"{self.name}_count {self.count}")
+        series = self.series or {(): _HistogramSeries(len(self.buckets))}
+        lines = []
+        for key, one in series.items():
+            lines.extend(self._render_series(dict(key), one))
         return lines
+
+    def _render_series(self, labels: dict[str, str], series: _HistogramSeries) -> list[str]:
+        lines, cumulative = [], 0
+        prefix = "".join(f'{k}="{_escape(str(v))}",' for k, v in sorted(labels.items()))
+        for bound, count in zip((*self.buckets, math.inf), series.counts):
+            cumulative += count
+            lines.append(f'{self.name}_bucket{{{prefix}le="{_number(float(bound))}"}} {cumulative}')
+        lines.append(f"{self.name}_sum{_labels(labels)} {_number(series.sum)}")
+        lines.append(f"{self.name}_count{_labels(labels)} {series.count}")
+        return lines
+
+
+class ClassMetrics:
+    """Latency per request class (label ``class``: the ServiceClass value), observed by the
+    engine client per engine request."""
+
+    def __init__(self):
+        h = Histogram
+        self.ttft = h("kvserve_class_time_to_first_token_seconds", "Arrival to first generated token, by class.")
+        self.tpot = h("kvserve_class_time_per_output_token_seconds",
+                      "(last token - first token) / (tokens - 1) of a finished request with at least two "
+                      "tokens (its longest completion), by class.")
+        self.queue = h("kvserve_class_queue_time_seconds",
+                       "Arrival to the start of the first engine step that scheduled the request, by class.")
+        self.finished = Counter("kvserve_class_requests_finished_total",
+                                "Engine requests ended (finished, aborted or failed), by class.")
+        for service_class in ServiceClass:
+            self.finished.inc(0, **{"class": service_class.value})
+        self.all = [self.ttft, self.tpot, self.queue, self.finished]
+
+    def observe_queue(self, service_class: ServiceClass, seconds: float) -> None:
+        self.queue.observe(seconds, **{"class": service_class.value})
+
+    def observe_ttft(self, service_class: ServiceClass, seconds: float) -> None:
+        self.ttft.observe(seconds, **{"class": service_class.value})
+
+    def observe_end(self, service_class: ServiceClass, tpot_s: float | None) -> None:
+        """A request ended; ``tpot_s`` is its time per output token (None: fewer than two tokens)."""
+        self.finished.inc(**{"class": service_class.value})
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s, **{"class": service_class.value})
 
 
 class LoRAMetrics:
@@ -184,6 +238,7 @@ class ServerMetrics:
         self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
+        self.classes = ClassMetrics()
         self.lora = LoRAMetrics()
         self.lora_enabled = False                 # set once the engine's stats say LoRA is on
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
@@ -192,7 +247,7 @@ class ServerMetrics:
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.ready, self.integrity, self.preemptions,
                      self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
-                     self.rejected]
+                     self.rejected, *self.classes.all]
 
     def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from kvserve.engine.service_class import SERVICE_TIERS, ServiceClass, class_for_tier
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
 
@@ -55,6 +56,7 @@ class GenerateSpec:
     priority: int = 0
     use_prefix_cache: bool = True               # vLLM-style extension: false opts out of the prefix cache
     num_speculative_tokens: int | None = None   # extension: most drafts per step (0 = off; None = server's)
+    service_class: ServiceClass | None = None   # asked for with service_tier; None = not asked (key's pin or chat)
 
 
 # ------------------------------------------------------------------ JSON body
@@ -167,6 +169,16 @@ def _only_null(what: str) -> Callable:
     return check
 
 
+def _service_tier(name: str, value: Any) -> Any:
+    """OpenAI's service_tier -> the ServiceClass it names (null: not asked)."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or value not in SERVICE_TIERS:
+        accepted = ", ".join(f'"{tier}"' for tier in sorted(SERVICE_TIERS))
+        raise _bad(name, f"{name} must be one of {accepted} or null, got {_show(value)}")
+    return class_for_tier(value)
+
+
 def _logit_bias(name: str, value: Any) -> Any:
     """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} -> {int id: float bias}.
 
@@ -248,7 +260,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "priority": _int(-MAX_PRIORITY, MAX_PRIORITY),
     "use_prefix_cache": _bool,
     "num_speculative_tokens": _int(0, 16),
-    "service_tier": _only_null("service tiers"),
+    "service_tier": _service_tier,
     "metadata": _only_null("metadata storage"),
     "store": _only_null("storing completions"),
 }
@@ -356,7 +368,8 @@ def parse_completion(body: dict) -> GenerateSpec:
                         logprobs=values.get("logprobs"), user=values.get("user"),
                         deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
-                        num_speculative_tokens=values.get("num_speculative_tokens"))
+                        num_speculative_tokens=values.get("num_speculative_tokens"),
+                        service_class=values.get("service_tier"))
 
 
 def _chat_max_tokens(values: dict) -> tuple[int | None, str]:
@@ -387,7 +400,8 @@ def parse_chat(body: dict) -> GenerateSpec:
                         logprobs=logprobs, user=values.get("user"), deadline_s=values.get("deadline_s"),
                         priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
-                        num_speculative_tokens=values.get("num_speculative_tokens"))
+                        num_speculative_tokens=values.get("num_speculative_tokens"),
+                        service_class=values.get("service_tier"))
 
 
 def parse_tokenize(body: dict) -> dict:

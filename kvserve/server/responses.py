@@ -104,11 +104,13 @@ def chat_logprobs(speller: TokenSpeller, token_ids: list[int], entries: list[dic
 
 
 class ResponseBuilder:
-    """Builds the bodies of one request: same id, created time and model throughout."""
+    """Builds the bodies of one request: same id, created time, model and ``service_tier``
+    (the tier of the class the request ran in; None: the field is left out) throughout."""
 
     def __init__(self, kind: str, request_id: str, model: str, speller: TokenSpeller, logprobs: int | None,
-                 n: int):
+                 n: int, service_tier: str | None = None):
         self.kind, self.id, self.model = kind, request_id, model
+        self.service_tier = service_tier
         self.created = int(time.time())
         self.speller, self.logprobs, self.n = speller, logprobs, n
         self._text_offsets: dict[int, int] = {}
@@ -117,7 +119,10 @@ class ResponseBuilder:
         return prompt_index * self.n + completion_index
 
     def _head(self, object_name: str) -> dict:
-        return {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+        head = {"id": self.id, "object": object_name, "created": self.created, "model": self.model}
+        if self.service_tier is not None:
+            head["service_tier"] = self.service_tier
+        return head
 
     # ------------------------------------------------------------ whole bodies
     def completion_choice(self, index: int, completion: CompletionOutput, prefix: str = "",

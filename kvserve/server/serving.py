@@ -22,13 +22,16 @@ from typing import AsyncIterator
 from kvserve.engine import admission
 from kvserve.engine.admission import EngineLimits
 from kvserve.engine.request import EngineRequest
+from kvserve.engine.service_class import ServiceClass
 from kvserve.errors import KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
 from kvserve.server.auth import cache_salt
+from kvserve.server.classes import tier_for_class
 from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
+from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
 
 CONTROL = -1
 logger = logging.getLogger("kvserve.server")
@@ -84,11 +87,15 @@ def check_context(token_ids: list[int], spec: GenerateSpec, info, param: str) ->
 class Generation:
     """The engine requests of one HTTP request and the events that come back. ``adapter``
     is the LoRA adapter's name the request's model selected (None: the base model); the
-    responses name it as their model."""
+    responses name it as their model. ``service_class`` is the class it runs in (the
+    key's pin, else the one asked for, else chat: ``classes.choose_class``); the responses
+    name its tier."""
 
     def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None,
-                 adapter: str | None = None):
+                 adapter: str | None = None, service_class: ServiceClass = ServiceClass.CHAT):
         self.ctx, self.spec, self.prompts, self.tenant, self.adapter = ctx, spec, prompts, tenant, adapter
+        self.service_class = service_class
+        self.tracked: list = []                     # the engine client's TrackedRequests (their timings)
         prefix = "cmpl" if spec.kind == "completion" else "chatcmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
         self.sink: asyncio.Queue = asyncio.Queue()
@@ -96,7 +103,7 @@ class Generation:
         self.engine_ids = [f"{self.id}-{i}-{next(_ids)}" for i in range(len(prompts))]
         self.outputs: dict[int, RequestOutput] = {}
         self.builder = ResponseBuilder(spec.kind, self.id, adapter or ctx.model_name, ctx.speller, spec.logprobs,
-                                       spec.params.n)
+                                       spec.params.n, tier_for_class(service_class))
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
         # echo with logprobs: prompt logprobs gathered per prompt, echoed once complete
@@ -115,12 +122,14 @@ class Generation:
                                     frozenset(self.ctx.tokenizer.eos_token_ids), spec.priority, self.tenant,
                                     cache_salt=cache_salt(self.tenant), adapter_id=self.adapter,
                                     use_prefix_cache=spec.use_prefix_cache,
-                                    num_speculative_tokens=spec.num_speculative_tokens)
-            self.ctx.client.submit(request, prompt.text, self.sink, tag, self.arrival)
+                                    num_speculative_tokens=spec.num_speculative_tokens,
+                                    service_class=self.service_class)
+            self.tracked.append(self.ctx.client.submit(request, prompt.text, self.sink, tag, self.arrival))
         if self.adapter is not None:
             self.ctx.metrics.lora.requests.inc(adapter=self.adapter)
-        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r, adapter=%r", self.id,
-                     len(self.prompts), self.num_prompt_tokens, self.spec.user, self.tenant, self.adapter)
+        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r, adapter=%r, class=%s",
+                     self.id, len(self.prompts), self.num_prompt_tokens, self.spec.user, self.tenant, self.adapter,
+                     self.service_class.value)
         deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s
         if deadline_s:
             loop = asyncio.get_running_loop()
@@ -143,6 +152,26 @@ class Generation:
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
         self.ctx.active.discard(self)
+
+    # ----------------------------------------------------------------- timing
+    def timing(self, ended: bool = False) -> RequestTiming:
+        """Its phases' instants over every prompt; ``ended``: the response ends now, so an
+        engine request still without a finish time counts as finished now."""
+        parts = [(t.scheduled_at, t.first_token_time, t.finish_time) for t in self.tracked]
+        return combine_timings(self.arrival, parts, time.monotonic() if ended else None)
+
+    @property
+    def first_token_seen(self) -> bool:
+        """Whether any of its engine requests has produced a token."""
+        return any(t.first_token_time is not None for t in self.tracked)
+
+    def server_timing(self, ended: bool = True) -> str:
+        """The ``Server-Timing`` header value: every known phase (the total once ``ended``)."""
+        return format_server_timing(self.timing(ended).phases_ms())
+
+    def _done_chunks(self) -> list[bytes]:
+        """The stream's end: the server-timing comment with the total, then ``[DONE]``."""
+        return [server_timing_comment(self.timing(ended=True).phases_ms()), SSE_DONE]
 
     def _finished(self) -> bool:
         return len(self.outputs) == len(self.prompts)
@@ -196,7 +225,8 @@ class Generation:
 
     # ----------------------------------------------------------------- stream
     async def stream(self) -> AsyncIterator[bytes]:
-        """SSE chunks; ends with ``[DONE]`` (after an error event if the request failed)."""
+        """SSE chunks; ends with the server-timing comment and ``[DONE]`` (after an error event
+        if the request failed)."""
         try:
             for chunk in self._echo_chunks():
                 yield chunk
@@ -208,7 +238,8 @@ class Generation:
                     if event == "deadline":
                         yield sse(DeadlineExceededError("the request's deadline passed before it finished",
                                                         param="deadline_s").to_dict())
-                        yield SSE_DONE
+                        for chunk in self._done_chunks():
+                            yield chunk
                         return
                     self.abort_all()
                     for chunk in self._abort_chunks():
@@ -223,12 +254,14 @@ class Generation:
                     self.outputs[tag] = event
                 elif isinstance(event, KVServeError):
                     yield sse(event.to_dict())
-                    yield SSE_DONE
+                    for chunk in self._done_chunks():
+                        yield chunk
                     return
             if self.spec.include_usage:
                 yield sse(self.builder.usage_chunk(self.num_prompt_tokens, self._completion_tokens(),
                                                    self._cached_tokens()))
-            yield SSE_DONE
+            for chunk in self._done_chunks():
+                yield chunk
         finally:
             self.close()
 

@@ -14,7 +14,7 @@ from kvserve.ipc import codec
 from kvserve.server import protocol
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.stats import EngineStats, SpeculationCounters
-from kvserve.server.auth import load_keys, match_key
+from kvserve.server.auth import KeyGrant, load_keys, match_key
 from kvserve.server.metrics import ServerMetrics, parse_metrics
 
 
@@ -152,13 +152,13 @@ def test_api_keys(tmp_path):
     path = tmp_path / "keys.txt"
     path.write_text("# key tenant\nk1 alice\nk2 bob\n")
     keys = load_keys("k0", str(path))
-    assert keys == {"k0": "default", "k1": "alice", "k2": "bob"}
-    assert match_key(keys, b"Bearer k2") == "bob"
-    assert match_key(keys, b"bearer k1") == "alice"
+    assert keys == {"k0": KeyGrant("default"), "k1": KeyGrant("alice"), "k2": KeyGrant("bob")}
+    assert match_key(keys, b"Bearer k2") == KeyGrant("bob")
+    assert match_key(keys, b"bearer k1").tenant == "alice"
     for header in (None, b"", b"Bearer", b"Bearer k3", b"Basic k1", b"Bearer k1x"):
         assert match_key(keys, header) is None
     (tmp_path / "keys.json").write_text('{"j": "carol"}')
-    assert load_keys(None, str(tmp_path / "keys.json")) == {"j": "carol"}
+    assert load_keys(None, str(tmp_path / "keys.json")) == {"j": KeyGrant("carol")}
 
 
 # ------------------------------------------------------------------ report
