@@ -5,23 +5,20 @@ control tokens and writes the middle. The layout is detected from the vocabulary
 itself (never from a file name): a layout counts only when all three of its tokens
 are single entries of the vocabulary, with three distinct ids.
 
-===============  =============================================================
-layout           tokens (prefix, suffix, middle)
-===============  =============================================================
-``starcoder``    ``<fim_prefix>`` ``<fim_suffix>`` ``<fim_middle>`` (StarCoder, SmolLM, SantaCoder)
-``qwen``         ``<|fim_prefix|>`` ``<|fim_suffix|>`` ``<|fim_middle|>`` (Qwen2.5-Coder)
-``codellama``    ``▁<PRE>`` ``▁<SUF>`` ``▁<MID>``, or ``<PRE>`` ``<SUF>`` ``<MID>`` (CodeLlama)
-===============  =============================================================
+- ``starcoder``: ``<fim_prefix>`` ``<fim_suffix>`` ``<fim_middle>`` (StarCoder, StarCoder2)
+- ``qwen``: ``<|fim_prefix|>`` ``<|fim_suffix|>`` ``<|fim_middle|>`` (Qwen2.5-Coder)
+- ``codellama``: ``▁<PRE>`` ``▁<SUF>`` ``▁<MID>``, or ``<PRE>`` ``<SUF>`` ``<MID>`` (CodeLlama)
 
 The prompt is built in PSM order (prefix, suffix, middle)::
 
     [BOS if the tokenizer adds one to plain prompts] <prefix tok> encode(prefix)
     <suffix tok> encode(suffix) <middle tok>
 
-with both pieces encoded without special tokens. For CodeLlama this is what the Hugging
-Face fast tokenizer builds for ``<PRE> {prefix} <SUF>{suffix} <MID>``: the spaces of the
-documented prompt are carried by the ``▁`` of the control tokens and by the tokenizer's
-own SentencePiece dummy prefix.
+with both pieces encoded without special tokens. For CodeLlama's documented
+``<PRE> {prefix} <SUF>{suffix} <MID>`` this is the shape the Hugging Face fast tokenizer
+builds (its infilling post-processor: BOS, prefix token, prefix, suffix token, suffix,
+middle token): the spaces are carried by the ``▁`` of the control tokens and by the
+tokenizer's own SentencePiece dummy prefix, which is not adjusted here.
 """
 from __future__ import annotations
 
@@ -32,7 +29,7 @@ from kvserve.errors import InvalidRequestError
 
 # (layout name, what it is called in messages, spellings of (prefix, suffix, middle) tried in order)
 FIM_LAYOUTS: tuple[tuple[str, str, tuple[tuple[str, str, str], ...]], ...] = (
-    ("starcoder", "StarCoder/SmolLM", (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),)),
+    ("starcoder", "StarCoder", (("<fim_prefix>", "<fim_suffix>", "<fim_middle>"),)),
     ("qwen", "Qwen2.5-Coder", (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),)),
     ("codellama", "CodeLlama", (("▁<PRE>", "▁<SUF>", "▁<MID>"), ("<PRE>", "<SUF>", "<MID>"))),
 )
@@ -64,7 +61,7 @@ class FimTokens:
 
 
 def recognised_layouts() -> str:
-    """The recognised layouts, for messages: ``StarCoder/SmolLM (<fim_prefix> ...), ...``."""
+    """The recognised layouts, for messages: ``StarCoder (<fim_prefix> ...), ...``."""
     return ", ".join(f"{title} ({' '.join(spellings[0])})" for _name, title, spellings in FIM_LAYOUTS)
 
 
