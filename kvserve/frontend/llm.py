@@ -45,8 +45,11 @@ class LLM:
     # ------------------------------------------------------------------ prompts
     def encode_prompt(self, prompt: PromptLike) -> tuple[str | None, list[int]]:
         """Turn one prompt (text, token ids, chat messages, or a dict of one of those)
-        into (text or None, token ids)."""
+        into (text or None, token ids). ``{"prompt": text, "suffix": text}`` is a
+        fill-in-the-middle prompt (the vocabulary's FIM tokens, see tokenizer/fim.py)."""
         if isinstance(prompt, dict) and "role" not in prompt:
+            if prompt.get("suffix") is not None:
+                return self._encode_fim(prompt.get("prompt"), prompt["suffix"])
             if "prompt_token_ids" in prompt:
                 return None, list(prompt["prompt_token_ids"])
             if "messages" in prompt:
@@ -65,6 +68,12 @@ class LLM:
             return None, list(prompt)
         raise InvalidRequestError("a prompt must be a string, a list of token ids or a list of chat messages",
                                   param="prompt")
+
+    def _encode_fim(self, prefix, suffix) -> tuple[str, list[int]]:
+        if not isinstance(prefix, str) or not isinstance(suffix, str):
+            raise InvalidRequestError("a fill-in-the-middle prompt needs a text 'prompt' and a text 'suffix'",
+                                      param="suffix")
+        return prefix, self.tokenizer.encode_fim(prefix, suffix)
 
     @staticmethod
     def _as_prompt_list(prompts) -> list:

@@ -50,6 +50,7 @@ class GenerateSpec:
     stream: bool = False
     include_usage: bool = False
     echo: bool = False
+    suffix: str | None = None                   # completions: fill in the middle (text prompts only)
     logprobs: int | None = None                 # completions: top-k; chat: top_logprobs when logprobs
     user: str | None = None
     deadline_s: float | None = None
@@ -179,6 +180,12 @@ def _service_tier(name: str, value: Any) -> Any:
     return class_for_tier(value)
 
 
+def _suffix(name: str, value: Any) -> Any:
+    if value is not None and not isinstance(value, str):
+        raise _bad(name, f"suffix must be a string or null, got {_show(value)}")
+    return value
+
+
 def _logit_bias(name: str, value: Any) -> Any:
     """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} -> {int id: float bias}.
 
@@ -270,7 +277,7 @@ COMPLETION_FIELDS: dict[str, Callable] = {
     "echo": _bool,
     "logprobs": _int(0, MAX_LOGPROBS),
     "best_of": _int(1, INT64_MAX),
-    "suffix": _only_null("suffix/insertion"),
+    "suffix": _suffix,                            # fill in the middle; see _check_suffix
 }
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS,
@@ -347,6 +354,19 @@ def _check_choices(num_prompts: int, n: int) -> None:
         raise _bad("n", f"prompts x n must be at most {MAX_CHOICES}, got {num_prompts} x {n}")
 
 
+def _check_suffix(suffix: str | None, prompts: list[Prompt], echo: bool) -> None:
+    """suffix (fill in the middle) is built around a text prompt and the prompt the model
+    sees is not the text sent: so no token-id prompts and no echo."""
+    if suffix is None:
+        return
+    if any(p.text is None for p in prompts):
+        raise _bad("suffix", "suffix needs text prompts: the fill-in-the-middle prompt is built from the "
+                             "prompt's text (send token ids with the FIM tokens already in place instead)")
+    if echo:
+        raise _bad("suffix", "suffix cannot be combined with echo: the model sees a fill-in-the-middle "
+                             "prompt, not the prompt text that would be echoed")
+
+
 def parse_completion(body: dict) -> GenerateSpec:
     """A /v1/completions body -> GenerateSpec (InvalidRequestError naming the bad field)."""
     values = check_fields(body, COMPLETION_FIELDS)
@@ -363,8 +383,10 @@ def parse_completion(body: dict) -> GenerateSpec:
         params.prompt_logprobs = values["logprobs"]        # the echoed prompt carries logprobs too
     _check_choices(len(prompts), params.n)
     stream, include_usage = _stream_flags(values)
+    _check_suffix(values.get("suffix"), prompts, bool(values.get("echo")))
     return GenerateSpec(kind="completion", model=values.get("model"), params=params, prompts=prompts,
                         stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
+                        suffix=values.get("suffix"),
                         logprobs=values.get("logprobs"), user=values.get("user"),
                         deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,

@@ -32,6 +32,7 @@ from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
 from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
+from kvserve.tokenizer.fim import build_fim_prompt, require_fim
 
 CONTROL = -1
 logger = logging.getLogger("kvserve.server")
@@ -53,16 +54,28 @@ def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]
         prompts = [PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))]
         param = "messages"
     else:
-        prompts = []
-        for p in spec.prompts:
-            if p.token_ids is not None:
-                admission.check_token_ids(p.token_ids, info.vocab_size)
-                prompts.append(PreparedPrompt(None, list(p.token_ids)))
-            else:
-                prompts.append(PreparedPrompt(p.text, tokenizer.encode(p.text)))
+        prompts = completion_prompts(spec, tokenizer, info)
         param = "prompt"
     for prompt in prompts:
         check_context(prompt.token_ids, spec, info, param)
+    return prompts
+
+
+def completion_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]:
+    """Token ids of a completions request's prompts. With ``spec.suffix`` every (text) prompt
+    becomes a fill-in-the-middle prompt around that suffix (kvserve/tokenizer/fim.py); a
+    vocabulary without FIM tokens is refused with InvalidRequestError(param="suffix")."""
+    if spec.suffix is not None:
+        fim = require_fim(tokenizer.fim_tokens, spec.model)
+        return [PreparedPrompt(p.text, build_fim_prompt(tokenizer, fim, p.text, spec.suffix))
+                for p in spec.prompts]
+    prompts = []
+    for p in spec.prompts:
+        if p.token_ids is not None:
+            admission.check_token_ids(p.token_ids, info.vocab_size)
+            prompts.append(PreparedPrompt(None, list(p.token_ids)))
+        else:
+            prompts.append(PreparedPrompt(p.text, tokenizer.encode(p.text)))
     return prompts
 
 

@@ -8,6 +8,7 @@ here, from the checkpoint, never from its file name.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Iterable
@@ -16,6 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from kvserve.errors import InvalidRequestError, ModelLoadError
 from kvserve.tokenizer.chat_template import FALLBACK_TEMPLATE, ChatTemplateRenderer
+from kvserve.tokenizer.fim import FimTokens, build_fim_prompt, detect_fim, require_fim
 from kvserve.tokenizer.gguf_vocab import build_byte_level_bpe, read_gguf_tokenizer_metadata
 
 # Tokens that close a chat turn in common templates (llama.cpp's list of EOT texts).
@@ -32,7 +34,8 @@ class Tokenizer:
     Build it with `load`, `from_gguf` or `from_hf_folder`. Attributes:
     `vocab_size` (ids are in ``[0, vocab_size)``), `bos_token_id`, `eos_token_id`,
     `eos_token_ids` (EOS plus the template's end-of-turn control token and any
-    extra EOS the checkpoint lists), `all_special_ids`, `chat_template`.
+    extra EOS the checkpoint lists), `all_special_ids`, `chat_template`, and
+    `fim_tokens` (the fill-in-the-middle layout of the vocabulary, or None).
     """
 
     def __init__(self, backend: BackendTokenizer, *, bos_token_id: int | None, eos_token_id: int | None,
@@ -143,6 +146,17 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         """The id of vocabulary entry `token`, or None."""
         return self._backend.token_to_id(token)
+
+    # ------------------------------------------------------------ fill in the middle
+    @functools.cached_property
+    def fim_tokens(self) -> FimTokens | None:
+        """The FIM layout this vocabulary declares (see fim.py), detected once per instance; None if none."""
+        return detect_fim(self, self.vocab_size)
+
+    def encode_fim(self, prefix: str, suffix: str) -> list[int]:
+        """The FIM prompt for `prefix` and `suffix` (fim.build_fim_prompt); without `fim_tokens`,
+        InvalidRequestError(param="suffix")."""
+        return build_fim_prompt(self, require_fim(self.fim_tokens), prefix, suffix)
 
     # ------------------------------------------------------------ chat template
     @property

@@ -81,7 +81,7 @@ def test_json_body_rules():
     ({"prompt": "x", "logit_bias": {"1": 500}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"one": 5}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": [5]}, "logit_bias"),
-    ({"prompt": "x", "suffix": "y"}, "suffix"),
+    ({"prompt": "x", "suffix": 5}, "suffix"),
     ({"prompt": "x", "best_of": 3}, "best_of"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
     ({"prompt": "x", "frobnicate": 1}, "frobnicate"),
