@@ -5,7 +5,9 @@ Each of ``typists`` walks through a real code file (default: ``kvserve/engine/sc
 of this package) from a random line, typing one character per keystroke at
 ``keystrokes_per_s`` (gaps uniform in ``1/speed * [1 - jitter, 1 + jitter]``, seeded; the
 indentation after a newline comes with the newline, as an editor's auto-indent does) and
-pausing now and then at a line end (``pause_prob``, ``pause_s``), so some requests complete.
+pausing now and then at a line end (``pause_prob``) or after a word (``word_pause_prob``) for
+``pause_s`` seconds, so some requests complete. A typist's last request (when it stops
+typing at the end of the run) is left to complete too.
 
 On every keystroke the editor cancels the previous in-flight request (closes its
 connection; the server aborts a request whose client went away) and sends a new
@@ -36,6 +38,7 @@ from kvserve.loadgen.ghost_report import GhostRecord, format_ghost_line, parse_s
 from kvserve.loadgen.runner import _http_error_kind
 
 MAX_GHOST_TOKENS = 16
+WORD_ENDS = frozenset(" ([{.,:=")
 
 
 def default_ghost_file() -> str:
@@ -52,7 +55,8 @@ class GhostConfig:
     duration_s: float = 20.0
     keystrokes_per_s: float = 6.0
     jitter: float = 0.5
-    pause_prob: float = 0.3                   # chance of a pause after typing a newline
+    pause_prob: float = 0.5                   # chance of a pause after typing a newline
+    word_pause_prob: float = 0.1              # ... after a space or one of ``([{.,:=``
     pause_s: tuple[float, float] = (0.5, 2.0)
     context_chars: int = 1500
     window_slack: float = 0.25
@@ -70,8 +74,9 @@ class GhostConfig:
             raise ValueError(f"ghost max_tokens must be 1..{MAX_GHOST_TOKENS}, not {self.max_tokens}")
         if self.typists < 1 or self.keystrokes_per_s <= 0 or self.context_chars < 1 or self.duration_s <= 0:
             raise ValueError("ghost typists, keystrokes_per_s, context_chars and duration_s must be positive")
-        if not 0 <= self.jitter < 1 or not 0 <= self.pause_prob <= 1 or self.window_slack < 0:
-            raise ValueError("ghost jitter must be in [0, 1), pause_prob in [0, 1], window_slack >= 0")
+        if not 0 <= self.jitter < 1 or not 0 <= min(self.pause_prob, self.word_pause_prob) \
+                or max(self.pause_prob, self.word_pause_prob) > 1 or self.window_slack < 0:
+            raise ValueError("ghost jitter must be in [0, 1), pause probabilities in [0, 1], window_slack >= 0")
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,8 @@ def _skip_indent(text: str, cursor: int) -> int:
 def keystroke_schedule(text: str, config: GhostConfig, rng: random.Random) -> list[Keystroke]:
     """A typist's keystrokes over ``config.duration_s``: from a random line start, one
     character per keystroke (a newline brings the next line's indentation), restarting at a
-    random line at the end of the file. Same rng state -> same schedule."""
+    random line at the end of the file; a pause may follow a newline or a word end.
+    Same rng state -> same schedule."""
     starts = line_starts(text)
     cursor = _skip_indent(text, rng.choice(starts))
     mean_gap = 1.0 / config.keystrokes_per_s
@@ -113,7 +119,8 @@ def keystroke_schedule(text: str, config: GhostConfig, rng: random.Random) -> li
             cursor = _skip_indent(text, rng.choice(starts))
         typed = text[cursor]
         cursor = _skip_indent(text, cursor + 1) if typed == "\n" else cursor + 1
-        pause = typed == "\n" and rng.random() < config.pause_prob
+        chance = config.pause_prob if typed == "\n" else config.word_pause_prob if typed in WORD_ENDS else 0.0
+        pause = chance > 0 and rng.random() < chance
         keys.append(Keystroke(at, cursor, pause))
         at += mean_gap * rng.uniform(1 - config.jitter, 1 + config.jitter)
         if pause:
@@ -259,6 +266,8 @@ def add_ghost_arguments(parser) -> None:
     g.add_argument("--ghost-keystrokes-per-s", type=float, default=d.keystrokes_per_s)
     g.add_argument("--ghost-jitter", type=float, default=d.jitter, help="keystroke gaps: mean * [1-j, 1+j]")
     g.add_argument("--ghost-pause-prob", type=float, default=d.pause_prob, help="chance of a pause at a line end")
+    g.add_argument("--ghost-word-pause-prob", type=float, default=d.word_pause_prob,
+                   help="chance of a pause after a word")
     g.add_argument("--ghost-context-chars", type=int, default=d.context_chars, help="prompt: chars before the cursor")
     g.add_argument("--ghost-max-tokens", type=int, default=d.max_tokens, help=f"1..{MAX_GHOST_TOKENS}")
     g.add_argument("--ghost-service-tier", default=d.service_tier, help="'none': do not send service_tier")
@@ -272,7 +281,8 @@ def config_from_args(args) -> GhostConfig:
     tier = args.ghost_service_tier
     return GhostConfig(typists=args.ghost_typists, duration_s=args.ghost_duration,
                        keystrokes_per_s=args.ghost_keystrokes_per_s, jitter=args.ghost_jitter,
-                       pause_prob=args.ghost_pause_prob, context_chars=args.ghost_context_chars,
+                       pause_prob=args.ghost_pause_prob, word_pause_prob=args.ghost_word_pause_prob,
+                       context_chars=args.ghost_context_chars,
                        max_tokens=args.ghost_max_tokens, temperature=args.temperature,
                        service_tier=None if tier is None or tier.lower() in ("", "none") else tier,
                        suffix_chars=args.ghost_suffix_chars, stream=args.ghost_stream,

@@ -40,7 +40,8 @@ def test_schedule_is_deterministic_with_a_seed():
 
 
 def test_schedule_speed_jitter_and_pauses():
-    config = GhostConfig(duration_s=60.0, keystrokes_per_s=6.0, jitter=0.5, pause_prob=0.3, pause_s=(0.5, 2.0))
+    config = GhostConfig(duration_s=60.0, keystrokes_per_s=6.0, jitter=0.5, pause_prob=0.3, word_pause_prob=0.0,
+                         pause_s=(0.5, 2.0))
     keys = keystroke_schedule(TEXT, config, random.Random(0))
     assert all(0 <= k.at_s < 60.0 for k in keys)
     gaps = [b.at_s - a.at_s for a, b in zip(keys, keys[1:])]
@@ -53,8 +54,15 @@ def test_schedule_speed_jitter_and_pauses():
     assert 3.0 < len(keys) / 60.0 < 6.0
 
 
+def test_word_pauses_follow_word_ends():
+    config = GhostConfig(duration_s=60.0, pause_prob=0.0, word_pause_prob=0.5)
+    keys = keystroke_schedule(TEXT, config, random.Random(2))
+    paused = [k for k in keys if k.pause_after]
+    assert paused and all(TEXT[k.cursor - 1] in " ([{.,:=" for k in paused)
+
+
 def test_schedule_advances_one_char_and_auto_indents():
-    config = GhostConfig(duration_s=30.0, pause_prob=0.0)
+    config = GhostConfig(duration_s=30.0, pause_prob=0.0, word_pause_prob=0.0)
     keys = keystroke_schedule(TEXT, config, random.Random(1))
     for a, b in zip(keys, keys[1:]):
         if b.cursor < a.cursor:                               # wrapped at the end of the file
