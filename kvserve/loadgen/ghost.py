@@ -212,7 +212,8 @@ class GhostRunner:
                 prompt = self.text[start:key.cursor]
                 body = request_body(self.config, self.model, prompt,
                                     suffix_after(self.text, key.cursor, self.config.suffix_chars))
-                record = GhostRecord(index, seq, time.perf_counter(), prompt_chars=len(prompt))
+                gap = keys[seq + 1].at_s - key.at_s if seq + 1 < len(keys) else None
+                record = GhostRecord(index, seq, time.perf_counter(), prompt_chars=len(prompt), gap_s=gap)
                 self.records.append(record)
                 in_flight = (asyncio.create_task(self._send(client, body, record)), record)
                 tasks.append(in_flight[0])

@@ -110,9 +110,9 @@ def test_config_limits_max_tokens():
 
 
 # ------------------------------------------------------------ summary maths
-def _done(seq, start, e2e_ms, timing=None, prompt=100, cached=50, tokens=8):
+def _done(seq, start, e2e_ms, timing=None, prompt=100, cached=50, tokens=8, gap=None):
     return GhostRecord(0, seq, start, start + e2e_ms / 1000, prompt_tokens=prompt, cached_tokens=cached,
-                       completion_tokens=tokens, server_timing=timing or {})
+                       completion_tokens=tokens, server_timing=timing or {}, gap_s=gap)
 
 
 def test_phases_of_one_request():
@@ -124,11 +124,11 @@ def test_phases_of_one_request():
 def test_summary_on_hand_made_records():
     timing = {"queue": 10.0, "prefill": 40.0, "ttft": 60.0, "total": 130.0}
     records = [
-        _done(0, 0.0, 150, timing, prompt=100, cached=0),
-        _done(1, 0.5, 250, dict(timing, total=230.0), prompt=100, cached=80, tokens=16),
-        _done(2, 1.0, 100, None, prompt=200, cached=120),              # no Server-Timing
-        GhostRecord(0, 3, 1.5, 1.6, cancelled=True),
-        GhostRecord(0, 4, 1.6, 1.7, cancelled=True),
+        _done(0, 0.0, 150, timing, prompt=100, cached=0, gap=0.5),
+        _done(1, 0.5, 250, dict(timing, total=230.0), prompt=100, cached=80, tokens=16, gap=0.5),
+        _done(2, 1.0, 100, None, prompt=200, cached=120, gap=0.5),     # no Server-Timing
+        GhostRecord(0, 3, 1.5, 1.6, cancelled=True, gap_s=0.1),      # cut short by the typist
+        GhostRecord(0, 4, 1.6, 1.7, cancelled=True, gap_s=0.3),      # waited for, too slow
         GhostRecord(0, 5, 1.7, 2.0, error="http_400"),
     ]
     s = summarize_ghost(records, budget_ms=200.0)
@@ -139,6 +139,7 @@ def test_summary_on_hand_made_records():
     assert s["e2e_ms_outputs_le_8"]["count"] == 2 and s["e2e_ms_outputs_le_16"]["count"] == 3
     assert s["ttft_ms"] == {"count": 0} and s["server_ttft_ms"]["mean"] == pytest.approx(60)
     assert s["goodput"]["fraction"] == pytest.approx(2 / 3)
+    assert s["goodput"]["num_waited"] == 5 and s["goodput"]["fraction_of_waited"] == pytest.approx(2 / 5)
     assert s["cached_token_fraction"] == pytest.approx(200 / 400)
     budget = s["budget"]
     assert budget["server_timing_present"] == 2
