@@ -15,7 +15,8 @@ def register(subparsers) -> None:
     p.add_argument("--model", default=None, help="model id to send (default: the server's first /v1/models)")
     p.add_argument("--api-key", default=None)
     p.add_argument("--endpoint", choices=("chat", "completions"), default="chat")
-    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "code"), default="random")
+    p.add_argument("--workload", choices=("random", "shared-prefix", "multi-turn", "code", "ghost"),
+                   default="random", help="ghost: typists asking for inline completions (the --ghost-* options)")
     p.add_argument("--num-requests", type=int, default=64, help="requests (conversations for multi-turn)")
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens (mean)")
     p.add_argument("--output-len", type=int, default=128, help="max_tokens (mean)")
@@ -40,6 +41,8 @@ def register(subparsers) -> None:
     p.add_argument("--export-dataset", default=None,
                    help="also write the workload as aiperf single_turn JSONL (text, output_length)")
     p.add_argument("--no-progress", action="store_true")
+    from kvserve.loadgen.ghost import add_ghost_arguments
+    add_ghost_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -91,6 +94,9 @@ def _progress(args, total: int, concurrency: int):
 
 
 def run(args) -> int:
+    if args.workload == "ghost":
+        from kvserve.loadgen.ghost import run_ghost_cli
+        return run_ghost_cli(args, args.model or _first_model(args.url, args.api_key))
     from kvserve.loadgen.report import format_table
     from kvserve.loadgen.workloads import build_workload
     from kvserve.loader import resolve_model_path

@@ -44,3 +44,32 @@ def test_bench_runs_every_workload_against_a_server(tokenizer):
         report = json.loads(out.stdout)
         assert [r["concurrency"] for r in report["results"]] == [1, 2]
         assert all(r["summary"]["goodput"]["fraction"] == 1.0 for r in report["results"])
+
+
+@pytest.mark.model
+def test_bench_ghost_workload_cancels_and_completes():
+    """A few seconds of two typists (no service_tier, so it runs on any kvserve): keystrokes
+    cancel in-flight requests, which the server aborts; pauses let some complete."""
+    import httpx
+
+    from benchmarks.server_process import ServerProcess
+    with ServerProcess("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.1",
+                       "--max-num-seqs", "8") as server:
+        out = subprocess.run([sys.executable, "-m", "kvserve.cli", "bench", "--url", server.url, "--workload", "ghost",
+                              "--ghost-typists", "2", "--ghost-duration", "5", "--ghost-max-tokens", "2",
+                              "--ghost-service-tier", "none", "--ghost-word-pause-prob", "0.25", "--seed", "1"],
+                             capture_output=True, text=True, timeout=300)
+        metrics = httpx.get(server.url + "/metrics", timeout=30).text
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert report["workload"] == "ghost" and report["ghost"]["service_tier"] is None
+    s = report["results"][0]["summary"]
+    assert s["num_errors"] == 0, s["errors"]
+    assert s["num_cancelled"] > 0 and s["num_completed"] > 0
+    assert s["num_requests"] == s["num_cancelled"] + s["num_completed"]
+    assert s["cancellations_per_s"] > 0 and s["e2e_ms"]["p99"] > 0 and 0 <= s["goodput"]["fraction"] <= 1
+    assert s["prompt_tokens"]["mean"] > 50 and s["cached_token_fraction"] > 0      # prompts extend each other
+    assert set(s["budget"]) >= {"budget_ms", "queue", "prefill", "decode", "client_overhead"}
+    aborted = [line for line in metrics.splitlines() if line.startswith("kvserve_requests_finished_total")
+               and 'finish_reason="abort"' in line]
+    assert aborted and float(aborted[0].split()[-1]) > 0                          # the server aborted them
