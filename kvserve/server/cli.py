@@ -48,6 +48,13 @@ def register(subparsers) -> None:
                      help="speculative decoding: n-gram prompt lookup, a draft model sharing the tokenizer, "
                           "or the model's own first layers")
     eng.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step")
+    sch = p.add_argument_group("scheduling (docs/latency_classes.md)")
+    sch.add_argument("--scheduling-policy", default="slo", choices=["slo", "fcfs"],
+                     help="slo: request classes (service_tier) with TTFT/TPOT targets; fcfs: priority, then arrival")
+    sch.add_argument("--batch-window-ms", type=float, default=0.0,
+                     help="how long a new batch-class (service_tier flex) request may wait to share a step")
+    sch.add_argument("--class-targets", default=None, metavar="JSON",
+                     help='per-class target overrides, e.g. \'{"interactive": {"tpot_s": 0.1}}\'')
     _add_lora_arguments(p)
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queued-requests", type=int, default=256,
@@ -94,7 +101,22 @@ def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] 
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
             "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus),
-            **lora_config(args, base_aliases)}
+            **scheduling_config(args), **lora_config(args, base_aliases)}
+
+
+def scheduling_config(args) -> dict:
+    """The scheduling flags as EngineConfig fields (checked again by the engine's resolve)."""
+    import json
+    targets = getattr(args, "class_targets", None)
+    if targets is not None:
+        targets = json.loads(targets)
+        if not isinstance(targets, dict):
+            raise ValueError("--class-targets must be a JSON object of class -> {ttft_s, tpot_s, shapes_budget}")
+    window_ms = getattr(args, "batch_window_ms", 0.0)
+    if not 0 <= window_ms <= 10_000:
+        raise ValueError(f"--batch-window-ms must be within [0, 10000], got {window_ms}")
+    return {"scheduling_policy": getattr(args, "scheduling_policy", "slo"), "class_targets": targets,
+            "batch_window_s": window_ms / 1000.0}
 
 
 def lora_config(args, base_aliases: frozenset[str] = frozenset()) -> dict:

@@ -74,3 +74,19 @@ def test_n_siblings_share_prompt_and_differ(llm, prompts):
                                                                               ignore_eos=True))[0]
     assert all(o.token_ids == single.outputs[0].token_ids for o in greedy_n.outputs)
     llm.engine.check_integrity()
+
+
+def test_class_mix_invariance(model_path, subset, uncontended):
+    """Classes change timing, never tokens: interactive / chat / batch requests through the
+    SLO policy (a tight TPOT target shrinking the budget, a batching window, admission
+    preempting batch work in a small pool) give the uncontended greedy outputs."""
+    mixed = LLM(model_path, dtype="float32", kv_cache_bytes=24 * 16 * 46080, max_num_seqs=16,
+                max_num_batched_tokens=96, scheduling_policy="slo", batch_window_s=0.02,
+                class_targets={"interactive": {"tpot_s": 0.001}}, min_step_tokens=8)
+    chosen = subset[:6]
+    classes = ["batch", "batch", "chat", "interactive", "batch", "interactive"]
+    outputs = mixed.generate([{"prompt_token_ids": p} for p in chosen], GREEDY, service_class=classes)
+    print(f"preemptions: {mixed.engine.scheduler.num_preemptions}")
+    _compare(uncontended[:6], outputs)
+    mixed.engine.check_integrity()
+    assert mixed.engine.block_pool.num_used_blocks == 0
