@@ -5,7 +5,8 @@ policy only answers questions about sequences and never touches blocks or plans.
 One step asks, in this order::
 
     budget = policy.begin_step(running, waiting, max_num_batched_tokens, free_seq_slots, now)
-    running in policy.sort_key order:  n = min(to compute, policy.tokens_left_for(seq, budget left))
+    running in policy.sort_key order:  n = min(to compute, budget left); but first, waiting
+                                       sequences with policy.admit_before(them, seq) are admitted
     waiting in policy.sort_key order:  skipped while policy.holds_back(seq);
                                        may preempt a running seq if policy.may_preempt_for(seq, it)
     after the forward:                 policy.observe_step(tokens, seconds)
@@ -33,9 +34,9 @@ class SchedulingPolicy(Protocol):
         """Start a step: the step's token budget (1..max_num_batched_tokens); the
         answers of the calls below hold for this step."""
 
-    def tokens_left_for(self, seq: Sequence, budget_left: int) -> int:
-        """How much of ``budget_left`` the running ``seq`` may use now (the rest is kept
-        for waiting sequences that outrank it)."""
+    def admit_before(self, waiting: Sequence, running: Sequence) -> bool:
+        """True: the waiting sequence is admitted (if it fits) before the running one gets
+        its tokens this step, so it does not wait for the budget that one would take."""
 
     def holds_back(self, seq: Sequence) -> bool:
         """True: the waiting ``seq`` is not admitted this step (it keeps its place)."""
@@ -67,8 +68,8 @@ class FcfsPolicy:
                    now: float) -> int:
         return max_num_batched_tokens
 
-    def tokens_left_for(self, seq: Sequence, budget_left: int) -> int:
-        return budget_left
+    def admit_before(self, waiting: Sequence, running: Sequence) -> bool:
+        return False
 
     def holds_back(self, seq: Sequence) -> bool:
         return False

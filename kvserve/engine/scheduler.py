@@ -164,14 +164,23 @@ class Scheduler:
                                    self.config.max_num_batched_tokens,
                                    self.config.max_num_seqs - len(self._running), self.clock())
         scheduled_ids: set[int] = set()
+        tried_heads: set[int] = set()
         index = 0
         while index < len(self._running) and budget > 0:
             seq = self._running[index]
+            if seq.seq_id in scheduled_ids:       # admitted earlier in this step
+                index += 1
+                continue
+            head = self._waiting[0][1] if self._waiting and not plan.preempted_seq_ids else None
+            if head is not None and head.seq_id not in tried_heads and policy.admit_before(head, seq):
+                tried_heads.add(head.seq_id)      # one try per head: a refused one is not retried
+                budget = self._admit_waiting(plan, budget, scheduled_ids, before=seq)
+                continue
             if seq.pending_fork and seq.num_tokens_to_compute == 0:
                 if not self._fork(seq, plan, scheduled_ids):
                     break
                 continue          # the leader and its new siblings are scheduled below
-            num_new = min(seq.num_tokens_to_compute, policy.tokens_left_for(seq, budget))
+            num_new = min(seq.num_tokens_to_compute, budget)
             if num_new == 0:
                 index += 1
                 continue
@@ -183,7 +192,7 @@ class Scheduler:
             budget -= num_new
             index += 1
         if not plan.preempted_seq_ids:
-            budget = self._admit_waiting(plan, budget)
+            budget = self._admit_waiting(plan, budget, scheduled_ids)
         plan.token_budget_left = budget
         self._count_passed_over(plan)
         return plan
@@ -204,10 +213,15 @@ class Scheduler:
         if num_tokens:
             self.policy.observe_step(num_tokens, seconds)
 
-    def _admit_waiting(self, plan: StepPlan, budget: int) -> int:
+    def _admit_waiting(self, plan: StepPlan, budget: int, scheduled_ids: set[int],
+                       before: Sequence | None = None) -> int:
+        """Admit waiting sequences in order while budget, sequence slots and blocks allow
+        (with ``before``: only those the policy admits ahead of that running sequence)."""
         held_back = []            # gate or policy said not yet: they keep their place in the queue
         while self._waiting and budget > 0 and len(self._running) < self.config.max_num_seqs:
             seq = self._waiting[0][1]
+            if before is not None and not self.policy.admit_before(seq, before):
+                break
             if (self.policy.holds_back(seq) or seq.seq_id in plan.preempted_seq_ids
                     or not self.gate.acquire(seq.seq_id)):
                 held_back.append(heapq.heappop(self._waiting))
@@ -226,6 +240,7 @@ class Scheduler:
             heapq.heappop(self._waiting)
             seq.status = SeqStatus.RUNNING
             self._running.append(seq)
+            scheduled_ids.add(seq.seq_id)
             if num_new > 0:
                 plan.scheduled.append(self._scheduled(seq, num_new))
                 budget -= num_new
@@ -235,7 +250,7 @@ class Scheduler:
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """The last running sequence the policy lets ``seq``'s admission preempt."""
-        for victim in reversed(self._running):
+        for victim in sorted(self._running, key=self.policy.sort_key, reverse=True):
             if not victim.pending_fork and self.policy.may_preempt_for(seq, victim):
                 return victim
         return None
@@ -259,7 +274,7 @@ class Scheduler:
         return True
 
     def _pick_victim(self, protected: set[int]) -> Sequence | None:
-        for seq in reversed(self._running):          # last in the policy's order
+        for seq in sorted(self._running, key=self.policy.sort_key, reverse=True):   # last in order first
             if seq.seq_id not in protected:
                 return seq
         return None

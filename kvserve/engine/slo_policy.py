@@ -3,9 +3,9 @@ TPOT targets.
 
 - Order: class rank (interactive, chat, batch), then priority, then arrival. Running
   interactive sequences are served first and preempted last; batch first.
-- Next step: running sequences of a lower class leave the budget that waiting
-  sequences of a higher class need, so an interactive request enters the very next
-  step; and when KV blocks are short, admitting it preempts a lower-class sequence.
+- Next step: waiting sequences of a higher class are admitted before running ones of a
+  lower class take their tokens, so an interactive request enters the very next step;
+  when KV blocks are short, admitting it preempts a lower-class sequence.
 - Budget: while a class that shapes the budget (interactive by default) has decoding
   sequences, the step's token budget is the most tokens whose predicted step time
   (``a + b * tokens``, fitted to measured steps) stays within that class's TPOT target —
@@ -61,7 +61,6 @@ class SloPolicy:
     def __init__(self, settings: SloPolicySettings | None = None):
         self.settings = settings or SloPolicySettings()
         self.step_time = LinearTimeModel(window=256)
-        self._reserve_by_rank: dict[int, int] = {}
         self._batch_released = True
         self._oldest_held: float | None = None
 
@@ -80,7 +79,6 @@ class SloPolicy:
                    now: float) -> int:
         budget = self._budget(running, waiting, max_num_batched_tokens)
         self._decide_window(waiting, budget, free_seq_slots, now)
-        self._reserve_by_rank = self._reserves(waiting, budget, free_seq_slots)
         return budget
 
     def _budget(self, running, waiting, max_tokens: int) -> int:
@@ -100,23 +98,8 @@ class SloPolicy:
         targets = self.settings.targets.get(seq.service_class)
         return targets is not None and targets.shapes_budget
 
-    def _reserves(self, waiting, budget: int, free_seq_slots: int) -> dict[int, int]:
-        """rank -> tokens running sequences of that rank leave for waiting sequences of a
-        higher class (only as many of them as there are free sequence slots)."""
-        wanted: dict[int, int] = {}
-        admissible = [s for s in waiting if not self.holds_back(s)]
-        admissible.sort(key=self.sort_key)
-        for seq in admissible[:free_seq_slots]:
-            rank = self.rank(seq)
-            wanted[rank] = wanted.get(rank, 0) + seq.num_tokens_to_compute
-        reserves, above = {}, 0
-        for rank in (0, 1, 2):
-            reserves[rank] = min(above, budget)
-            above += wanted.get(rank, 0)
-        return reserves
-
-    def tokens_left_for(self, seq: Sequence, budget_left: int) -> int:
-        return max(budget_left - self._reserve_by_rank.get(self.rank(seq), 0), 0)
+    def admit_before(self, waiting: Sequence, running: Sequence) -> bool:
+        return self.rank(waiting) < self.rank(running)
 
     # ---------------------------------------------------------- batching window
     def _decide_window(self, waiting, budget: int, free_seq_slots: int, now: float) -> None:

@@ -227,3 +227,42 @@ def test_a_thousand_keystroke_cancellations():
     assert h.pool.num_used_blocks == 0
     hits = [c for c in cached[1:] if c > 0]
     assert len(hits) >= 0.9 * NUM_KEYSTROKES                             # follow-ups hit the previous keystroke's blocks
+
+
+def test_cached_interactive_prompt_leaves_chat_its_decode():
+    """Admission ahead of lower classes takes what the request really computes (its prefix
+    hit is not charged), so chat keeps decoding beside a keystroke whose prompt is cached."""
+    h = harness(budget=16, max_num_seqs=8, num_blocks=128, block_size=4, prefix_cache=True, grace_s=30.0)
+    first = add(h, "i0", list(range(2, 42)), I, max_tokens=1)
+    h.run()
+    chat = add(h, "c", 8, C, max_tokens=40)
+    h.step()
+    nxt = add(h, "i1", list(range(2, 44)), I, max_tokens=1)
+    plan, _ = h.step()
+    assert {nxt.seq_id, chat.seq_id} <= scheduled_ids(plan)
+    assert nxt.num_cached_tokens >= 36 and first.is_finished
+
+
+class RefuseGate:
+    """A residency gate that never admits the sequences it names (an adapter with no slot)."""
+
+    def __init__(self, refused: set[int]):
+        self.refused = refused
+
+    def register(self, seq_id, key): pass
+    def acquire(self, seq_id): return seq_id not in self.refused
+    def release(self, seq_id): pass
+    def share(self, child, leader): pass
+    def forget(self, seq_id): pass
+
+
+def test_a_refused_interactive_head_does_not_stall_the_step():
+    gate = RefuseGate(set())
+    h = harness(budget=16, max_num_seqs=8, num_blocks=64, gate=gate)
+    chats = [add(h, f"c{i}", 4, C, max_tokens=20) for i in range(3)]
+    h.step()
+    blocked = add(h, "i", 4, I, max_tokens=2)
+    gate.refused.add(blocked.seq_id)
+    plan, _ = h.step()
+    assert scheduled_ids(plan) == {c.seq_id for c in chats}
+    assert h.sched.request_status("i").value == "waiting"
