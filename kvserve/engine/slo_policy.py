@@ -7,7 +7,7 @@ TPOT targets.
   lower class take their tokens, so an interactive request enters the very next step;
   when KV blocks are short, admitting it preempts a lower-class sequence.
 - Budget: while a class that shapes the budget (interactive by default) has decoding
-  sequences, the step's token budget is the most tokens whose predicted step time
+  or waiting sequences, the step's token budget is the most tokens whose predicted step time
   (``a + b * tokens``, fitted to measured steps) stays within that class's TPOT target —
   never less than its own tokens or ``min_step_tokens``. Chat and batch fill the rest.
 - Batching window: a new batch-class request waits up to ``batch_window_s`` so that more
@@ -82,8 +82,10 @@ class SloPolicy:
         return budget
 
     def _budget(self, running, waiting, max_tokens: int) -> int:
-        """The TPOT-shaped budget while a shaping class has decoding sequences."""
+        """The TPOT-shaped budget while a shaping class has decoding sequences or waiting
+        ones (their first token comes out of this step too)."""
         shaping = [s for s in running if self._shapes(s) and s.output_token_ids]
+        shaping += [s for s in waiting if self._shapes(s)]
         if not shaping:
             return max_tokens
         tpot_s = min(self.settings.targets[s.service_class].tpot_s for s in shaping)
