@@ -32,6 +32,7 @@ from kvserve.engine.model_runner import ModelRunner
 from kvserve.engine.policy import FcfsPolicy
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.slo_policy import SloPolicy
+from kvserve.engine.step_time import LinearTimeModel
 from kvserve.errors import InvalidRequestError
 from kvserve.quant.transform import direct_types
 from kvserve.speculative.config import speculative_config
@@ -68,11 +69,12 @@ def build_kv_cache(resolved, mc, draft, budget: int, device: torch.device, dtype
         raise InvalidRequestError(str(e), param="kv_cache_dtype") from e
 
 
-def build_policy(resolved):
-    """The scheduling policy the resolved config names."""
+def build_policy(resolved, step_time: LinearTimeModel):
+    """The scheduling policy the resolved config names (the SLO policy reads the engine's
+    step-time model)."""
     if resolved.scheduling_policy == "fcfs":
         return FcfsPolicy()
-    return SloPolicy(resolved.slo)
+    return SloPolicy(resolved.slo, step_time)
 
 
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
@@ -108,8 +110,9 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     kv_plan, kv_cache = build_kv_cache(resolved, mc, draft, budget, device, dtype)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
+    step_time = LinearTimeModel()
     scheduler = Scheduler(resolved.scheduler, kv, resolved.max_model_len, frozenset(mc.eos_token_ids), adapters,
-                          build_policy(resolved))
+                          build_policy(resolved, step_time))
     sampler = Sampler(seed=resolved.seed)
     verifier = Verifier(sampler, resolved.seed, device) if spec else None
     backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
@@ -119,4 +122,4 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
                               resolved.attention_backend, device, dtype, resolved.seed, draft)
         speculator = build_speculator(spec, ctx, verifier)
-    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters)
+    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters, step_time)

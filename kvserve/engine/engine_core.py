@@ -25,6 +25,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
 from kvserve.engine.stats import AdapterCounters, EngineStats
 from kvserve.engine.step import SeqUpdate
+from kvserve.engine.step_time import LinearTimeModel
 from kvserve.errors import AdapterNotFoundError, InvalidRequestError
 
 
@@ -33,7 +34,7 @@ class EngineCore:
 
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig, kv_plan: KVCachePlan,
                  scheduler: Scheduler, runner, speculator: Speculator | None = None,
-                 adapters: AdapterCatalog | None = None):
+                 adapters: AdapterCatalog | None = None, step_time: LinearTimeModel | None = None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = config.max_model_len
@@ -43,6 +44,7 @@ class EngineCore:
         self.runner = runner
         self.speculator = speculator or NullSpeculator()
         self.adapters = adapters             # LoRA adapters (None: base weights only)
+        self.step_time = step_time or LinearTimeModel()   # measured steps (shared with the policy)
         self.limits = EngineLimits(config.max_model_len, model_config.vocab_size, config.block_size,
                                    kv_plan.num_blocks, kv_plan.max_tokens)
         self.num_steps = 0
@@ -134,7 +136,8 @@ class EngineCore:
             self.speculator.extend(plan, self.scheduler)
         result = self.runner.execute(plan)
         self.num_steps += 1
-        self.scheduler.observe_step(plan.num_tokens, result.forward_time_s)
+        if not plan.is_empty:
+            self.step_time.observe(plan.num_tokens, result.forward_time_s)
         updates = self.scheduler.update(plan, result)
         if not plan.is_empty:
             self.speculator.observe(plan, result, updates)
@@ -193,8 +196,9 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """Gauges and counters for metrics: sequences, KV blocks, preemptions, steps, the
-        prefix cache's queries and hits, and speculation."""
+        prefix cache's queries and hits, speculation, and the step-time fit."""
         cache, pool = self.kv.cache_stats(), self.kv.block_pool
+        fit = self.step_time.coefficients()
         return EngineStats(
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_blocks_used=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_only_blocks,
@@ -207,4 +211,5 @@ class EngineCore:
             prefix_cache_evicted_blocks=cache.num_evicted_blocks if cache else 0,
             prefix_cache_blocks=cache.num_cached_blocks if cache else 0,
             speculation=self.speculator.counters(),
+            step_time_fixed_s=fit[0] if fit else 0.0, step_time_per_token_s=fit[1] if fit else 0.0,
             adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters())

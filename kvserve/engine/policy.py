@@ -9,7 +9,6 @@ One step asks, in this order::
                                        sequences with policy.admit_before(them, seq) are admitted
     waiting in policy.sort_key order:  skipped while policy.holds_back(seq);
                                        may preempt a running seq if policy.may_preempt_for(seq, it)
-    after the forward:                 policy.observe_step(tokens, seconds)
 
 Victims of preemption are taken from the end of the running order. ``FcfsPolicy`` is
 priority then arrival order with the whole budget every step; ``SloPolicy``
@@ -49,9 +48,6 @@ class SchedulingPolicy(Protocol):
         """Seconds an aborted ``seq``'s cached blocks stay unevictable (``grace_s``: what
         a finished one would get)."""
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """A step of ``num_tokens`` tokens took ``seconds`` (forward and sampling)."""
-
     def wake_in_s(self, now: float) -> float | None:
         """When nothing is runnable because sequences are held back: seconds until one
         may be admitted (the engine waits that long for new messages); None otherwise."""
@@ -79,9 +75,6 @@ class FcfsPolicy:
 
     def abort_grace_s(self, seq: Sequence, grace_s: float) -> float:
         return 0.0
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        pass
 
     def wake_in_s(self, now: float) -> float | None:
         return None

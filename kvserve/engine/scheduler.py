@@ -208,11 +208,6 @@ class Scheduler:
         """Seconds until a sequence the policy holds back may be admitted (None: none is)."""
         return self.policy.wake_in_s(self.clock())
 
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        """The runner's measured time for a step of ``num_tokens`` tokens (for the policy)."""
-        if num_tokens:
-            self.policy.observe_step(num_tokens, seconds)
-
     def _admit_waiting(self, plan: StepPlan, budget: int, scheduled_ids: set[int],
                        before: Sequence | None = None) -> int:
         """Admit waiting sequences in order while budget, sequence slots and blocks allow

@@ -9,7 +9,9 @@ TPOT targets.
 - Budget: while a class that shapes the budget (interactive by default) has decoding
   or waiting sequences, the step's token budget is the most tokens whose predicted step time
   (``a + b * tokens``, fitted to measured steps) stays within that class's TPOT target —
-  never less than its own tokens or ``min_step_tokens``. Chat and batch fill the rest.
+  never less than its own tokens, ``min_step_tokens``, or ``a / b`` (the size at which a
+  step costs twice its fixed part: smaller steps would starve chat and batch for a
+  target the machine cannot reach). Chat and batch fill the rest.
 - Batching window: a new batch-class request waits up to ``batch_window_s`` so that more
   arrive and share a step; it is released early once the waiting batch requests would
   fill the step's budget or the free sequence slots. Interactive and chat never wait.
@@ -58,9 +60,10 @@ class SloPolicySettings:
 class SloPolicy:
     """Request classes with TTFT/TPOT targets (see the module docstring)."""
 
-    def __init__(self, settings: SloPolicySettings | None = None):
+    def __init__(self, settings: SloPolicySettings | None = None, step_time: LinearTimeModel | None = None):
+        """``step_time``: the engine's measured step-time model (it observes every step)."""
         self.settings = settings or SloPolicySettings()
-        self.step_time = LinearTimeModel(window=256)
+        self.step_time = step_time or LinearTimeModel()
         self._batch_released = True
         self._oldest_held: float | None = None
 
@@ -89,12 +92,18 @@ class SloPolicy:
         if not shaping:
             return max_tokens
         tpot_s = min(self.settings.targets[s.service_class].tpot_s for s in shaping)
-        fitted = self.step_time.tokens_within(tpot_s)
-        if fitted is None:
+        fit = self.step_time.coefficients()
+        if fit is None or fit[1] <= 0.0:
             return max_tokens
+        fixed_s, per_token_s = fit
+        within_tpot = max(int((tpot_s - fixed_s) / per_token_s), 0)
+        # Below fixed/per-token tokens a step is mostly fixed cost (it runs at under half its
+        # per-token efficiency): when the target is out of reach, a step may still take up
+        # to twice its fixed cost rather than starve the other classes.
+        half_efficiency = round(fixed_s / per_token_s)
         own = sum(min(s.num_tokens_to_compute, max_tokens)
                   for s in (*running, *waiting) if self._shapes(s))
-        return min(max_tokens, max(fitted, own, self.settings.min_step_tokens))
+        return min(max_tokens, max(within_tpot, half_efficiency, own, self.settings.min_step_tokens))
 
     def _shapes(self, seq: Sequence) -> bool:
         targets = self.settings.targets.get(seq.service_class)
@@ -135,6 +144,3 @@ class SloPolicy:
 
     def abort_grace_s(self, seq: Sequence, grace_s: float) -> float:
         return grace_s if seq.service_class is ServiceClass.INTERACTIVE else 0.0
-
-    def observe_step(self, num_tokens: int, seconds: float) -> None:
-        self.step_time.observe(num_tokens, seconds)

@@ -66,6 +66,9 @@ class EngineStats:
     prefix_cache_blocks: int = 0
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
     adapters: AdapterCounters = field(default_factory=AdapterCounters)
+    # the measured step-time model t = a + b * tokens (0 until two step sizes were seen)
+    step_time_fixed_s: float = 0.0        # a: seconds of a step whatever its size
+    step_time_per_token_s: float = 0.0    # b: seconds per token in the step
     # set by the engine process's loop
     num_requests: int = 0                 # requests the loop tracks (added, not ended)
     num_aborted: int = 0

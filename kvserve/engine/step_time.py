@@ -34,17 +34,3 @@ class LinearTimeModel:
         b = sum((p[0] - mean_x) * (p[1] - mean_y) for p in self._points) / var_x
         b = max(b, 0.0)
         return max(mean_y - b * mean_x, 0.0), b
-
-    def seconds_for(self, tokens: float) -> float | None:
-        """Predicted seconds of a step of ``tokens`` tokens (None until fitted)."""
-        fit = self.coefficients()
-        return None if fit is None else fit[0] + fit[1] * tokens
-
-    def tokens_within(self, seconds: float) -> int | None:
-        """Most tokens a step may hold and still take at most ``seconds`` (0 if even an
-        empty step is slower; None until fitted or when time does not grow with tokens)."""
-        fit = self.coefficients()
-        if fit is None or fit[1] <= 0.0:
-            return None
-        a, b = fit
-        return max(int((seconds - a) / b), 0)

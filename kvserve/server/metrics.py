@@ -230,6 +230,8 @@ class ServerMetrics:
                                "Draft tokens accepted per verification, since start.")
         self.spec_steps_off = c("kvserve_spec_steps_off_total",
                                 "Decode steps where speculation was switched off because it would not pay.")
+        self.step_fixed = g("kvserve_step_time_fixed_seconds", "Measured step time t = a + b x tokens: a.")
+        self.step_per_token = g("kvserve_step_time_per_token_seconds", "Measured step time t = a + b x tokens: b.")
         self.ready = g("kvserve_ready", "1 when /ready answers 200.")
         self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
         self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
@@ -245,8 +247,8 @@ class ServerMetrics:
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
                      self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
-                     self.spec_mean_len, self.spec_steps_off, self.ready, self.integrity, self.preemptions,
-                     self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
+                     self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
+                     self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
                      self.rejected, *self.classes.all]
 
     def update_engine(self, stats: EngineStats) -> None:
@@ -264,6 +266,8 @@ class ServerMetrics:
         self.preemptions.set_total(stats.num_preemptions)
         self.engine_steps.set_total(stats.num_steps)
         self.integrity.set(1 if stats.integrity_ok else 0)
+        self.step_fixed.set(stats.step_time_fixed_s)
+        self.step_per_token.set(stats.step_time_per_token_s)
         spec = stats.speculation
         if spec.enabled:
             self.spec_proposed.set_total(spec.num_proposed)

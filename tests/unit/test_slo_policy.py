@@ -77,7 +77,7 @@ def test_batch_progresses_under_sustained_interactive_load():
 def test_tpot_shaped_budget_while_interactive_decodes():
     policy = SloPolicy(SloPolicySettings(dict(DEFAULT_TARGETS), min_step_tokens=4))
     for tokens in (1, 8, 64, 256):                     # 10 ms + 1 ms per token
-        policy.observe_step(tokens, 0.010 + 0.001 * tokens)
+        policy.step_time.observe(tokens, 0.010 + 0.001 * tokens)
     h = SchedulerHarness(policy=policy, budget=256, max_num_seqs=8, num_blocks=512)
     add(h, "i", 4, I, max_tokens=50)
     h.step()                                           # prefill: the interactive sequence now decodes
@@ -88,6 +88,18 @@ def test_tpot_shaped_budget_while_interactive_decodes():
     h.sched.abort_request("i")
     plan, _ = h.step()
     assert plan.num_tokens == 256                      # no interactive decode: the whole budget
+
+
+def test_unreachable_tpot_keeps_steps_at_twice_their_fixed_cost():
+    policy = SloPolicy(SloPolicySettings(dict(DEFAULT_TARGETS), min_step_tokens=4))
+    for tokens in (1, 64, 512):                        # 80 ms + 0.5 ms per token: 50 ms is out of reach
+        policy.step_time.observe(tokens, 0.080 + 0.0005 * tokens)
+    h = SchedulerHarness(policy=policy, budget=1024, max_num_seqs=8, num_blocks=512)
+    add(h, "i", 4, I, max_tokens=50)
+    h.step()
+    add(h, "c", 600, C, max_tokens=4)
+    plan, _ = h.step()
+    assert plan.num_tokens == 160                      # a / b: the step costs 2 x 80 ms at most
 
 
 def test_batch_is_preempted_before_interactive():
