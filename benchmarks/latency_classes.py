@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import random
 import re
 import subprocess
@@ -160,6 +161,7 @@ def measure_config(name: str, args, known: set[str], dropped: list[str], chat_re
         asyncio.run(GhostRunner(warm, server.url, text).run())
         alone = asyncio.run(chat_for(server.url, chat_requests, args.chat_clients, args.chat_alone_s))
         with_ghost, records = asyncio.run(chat_and_ghost(server.url, chat_requests, args.chat_clients, ghost, text))
+        entry["step_time"] = server_step_time(server.url)
     entry["ghost"] = ghost_figures(records, args.budget_ms, args.ghost_stream)
     entry["chat_alone"], entry["chat_with_ghost"] = alone, with_ghost
     entry["chat_throughput_with_ghost_over_alone"] = ratio(with_ghost["output_tokens_per_s"],
@@ -169,6 +171,16 @@ def measure_config(name: str, args, known: set[str], dropped: list[str], chat_re
           f"within budget {g['fraction_within_budget']:.2f}, chat ratio "
           f"{entry['chat_throughput_with_ghost_over_alone']}", file=sys.stderr)
     return entry
+
+
+def server_step_time(url: str) -> dict | None:
+    """The engine's measured step-time fit t = a + b x tokens, from /metrics (ms)."""
+    from kvserve.server.metrics import parse_metrics
+    samples = parse_metrics(httpx.get(url.rstrip("/") + "/metrics", timeout=10).text)
+    fixed, per_token = samples.get("kvserve_step_time_fixed_seconds"), samples.get("kvserve_step_time_per_token_seconds")
+    if fixed is None or per_token is None:
+        return None
+    return {"fixed_ms": 1000 * fixed, "per_token_ms": 1000 * per_token}
 
 
 # ------------------------------------------------------------ batching window
@@ -269,6 +281,8 @@ def parse_args(argv=None):
     p.add_argument("--window-s", type=float, default=35.0, help="seconds of batch traffic per window")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=None)
+    p.add_argument("--merge-into", default=None, metavar="FILE",
+                   help="start from this earlier report and replace only the parts run now")
     return p.parse_args(argv)
 
 
@@ -279,6 +293,10 @@ def main(argv=None) -> int:
     tokenizer = Tokenizer.load(default_model_path())
     report = {"benchmark": "latency_classes", "server_cpus": args.server_cpus, "client_cpus": args.client_cpus,
               "settings": vars(args), "dropped_flags": dropped}
+    if args.merge_into:
+        with open(args.merge_into, encoding="utf-8") as f:
+            earlier = json.load(f)
+        report = {**earlier, "settings_" + (args.only or "all"): vars(args), "dropped_flags": dropped}
     if args.only in (None, "ghost"):
         text = read_ghost_file(args.ghost_file)
         chat = build_workload("multi-turn", tokenizer, 400, args.chat_input_len, args.chat_output_len,

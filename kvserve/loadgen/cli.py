@@ -97,7 +97,7 @@ def run(args) -> int:
     if args.workload == "ghost":
         from kvserve.loadgen.ghost import run_ghost_cli
         return run_ghost_cli(args, args.model or _first_model(args.url, args.api_key))
-    from kvserve.loadgen.report import format_table
+    from kvserve.loadgen.report import emit_json, format_table
     from kvserve.loadgen.workloads import build_workload
     from kvserve.loader import resolve_model_path
     from kvserve.tokenizer import Tokenizer
@@ -117,10 +117,5 @@ def run(args) -> int:
               "num_requests": args.num_requests, "input_len": args.input_len, "output_len": args.output_len,
               "results": results}
     print(format_table(results), file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_json(report, args.out)
     return 0 if all(r["summary"]["num_completed"] for r in results) else 1

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass
 import httpx
 
 from kvserve.loadgen.ghost_report import GhostRecord, format_ghost_line, parse_server_timing, summarize_ghost
+from kvserve.loadgen.report import emit_json
 from kvserve.loadgen.runner import _http_error_kind
 
 MAX_GHOST_TOKENS = 16
@@ -315,10 +316,5 @@ def run_ghost_cli(args, model: str | None) -> int:
               "ghost_file": path, "ghost": asdict(config),
               "results": [{"typists": config.typists, "summary": summary}]}
     print(format_ghost_line(summary), file=sys.stderr)
-    text = json.dumps(report, indent=2)
-    if args.out:
-        with open(args.out, "w", encoding="utf-8") as f:
-            f.write(text + "\n")
-    else:
-        print(text)
+    emit_json(report, args.out)
     return 0 if summary["num_completed"] else 1

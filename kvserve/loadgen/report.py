@@ -13,6 +13,7 @@ Token counts come from the server's ``usage``.
 """
 from __future__ import annotations
 
+import json
 import math
 from collections import Counter
 
@@ -100,3 +101,13 @@ def format_table(results: list[dict]) -> str:
                      f"{g('itl_ms', 'p50'):>8} {g('e2e_ms', 'p50'):>8} {s['request_throughput']:>7.2f} "
                      f"{s['output_token_throughput']:>10.1f}")
     return "\n".join(lines)
+
+
+def emit_json(report: dict, out: str | None) -> None:
+    """The report as indented JSON: into the file ``out``, or on stdout when None."""
+    text = json.dumps(report, indent=2)
+    if out:
+        with open(out, "w", encoding="utf-8") as f:
+            f.write(text + "\n")
+    else:
+        print(text)
