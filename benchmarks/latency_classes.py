@@ -155,6 +155,7 @@ def measure_config(name: str, args, known: set[str], dropped: list[str], chat_re
         tier = config["ghost_tier"] if tier_accepted(server.url, config["ghost_tier"]) else None
         entry["service_tier_wanted"], entry["service_tier_sent"] = config["ghost_tier"], tier
         ghost = GhostConfig(typists=args.typists, duration_s=args.ghost_s, max_tokens=args.ghost_max_tokens,
+                            keystrokes_per_s=args.keystrokes_per_s,
                             service_tier=tier, stream=args.ghost_stream, budget_ms=args.budget_ms, seed=args.seed)
         warm = GhostConfig(typists=1, duration_s=2.0, max_tokens=2, service_tier=tier, seed=args.seed + 1)
         asyncio.run(chat_for(server.url, chat_requests[-4:], 2, 3.0))
@@ -269,6 +270,7 @@ def parse_args(argv=None):
     p.add_argument("--ghost-s", type=float, default=45.0, help="seconds of chat + typists per setting")
     p.add_argument("--chat-alone-s", type=float, default=30.0, help="seconds of chat alone per setting")
     p.add_argument("--ghost-max-tokens", type=int, default=8)
+    p.add_argument("--keystrokes-per-s", type=float, default=6.0, help="each typist's typing speed")
     p.add_argument("--ghost-stream", action="store_true", help="stream ghost requests (client-side TTFT)")
     p.add_argument("--ghost-file", default=None)
     p.add_argument("--budget-ms", type=float, default=200.0)
