@@ -121,5 +121,5 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     if spec:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
                               resolved.attention_backend, device, dtype, resolved.seed, draft)
-        speculator = build_speculator(spec, ctx, verifier)
+        speculator = build_speculator(spec, ctx, verifier, step_time)
     return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters, step_time)

@@ -136,10 +136,9 @@ class EngineCore:
             self.speculator.extend(plan, self.scheduler)
         result = self.runner.execute(plan)
         self.num_steps += 1
-        if not plan.is_empty:
-            self.step_time.observe(plan.num_tokens, result.forward_time_s)
         updates = self.scheduler.update(plan, result)
         if not plan.is_empty:
+            self.step_time.observe(plan.num_tokens, result.forward_time_s)
             self.speculator.observe(plan, result, updates)
         return updates
 

@@ -245,10 +245,8 @@ class Scheduler:
 
     def _victim_for(self, seq: Sequence) -> Sequence | None:
         """The last running sequence the policy lets ``seq``'s admission preempt."""
-        for victim in sorted(self._running, key=self.policy.sort_key, reverse=True):
-            if not victim.pending_fork and self.policy.may_preempt_for(seq, victim):
-                return victim
-        return None
+        return next((victim for victim in self._preemption_order()
+                     if not victim.pending_fork and self.policy.may_preempt_for(seq, victim)), None)
 
     @staticmethod
     def _unschedule(seq: Sequence, plan: StepPlan) -> int:
@@ -269,10 +267,11 @@ class Scheduler:
         return True
 
     def _pick_victim(self, protected: set[int]) -> Sequence | None:
-        for seq in sorted(self._running, key=self.policy.sort_key, reverse=True):   # last in order first
-            if seq.seq_id not in protected:
-                return seq
-        return None
+        return next((seq for seq in self._preemption_order() if seq.seq_id not in protected), None)
+
+    def _preemption_order(self) -> list[Sequence]:
+        """Running sequences, the last in the policy's order first."""
+        return sorted(self._running, key=self.policy.sort_key, reverse=True)
 
     def _preempt(self, seq: Sequence, plan: StepPlan) -> None:
         """Recompute preemption: blocks freed (its full ones stay cached), back to waiting."""

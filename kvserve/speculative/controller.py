@@ -104,13 +104,16 @@ class SpecController:
     """Chooses draft counts per step; learns from verification outcomes and step times."""
 
     def __init__(self, k_max: int, min_gain: float = 0.05, max_batch_size: int | None = None,
-                 uses_draft_model: bool = False, adaptive: bool = True):
+                 uses_draft_model: bool = False, adaptive: bool = True,
+                 forward_time: LinearTimeModel | None = None):
+        """``forward_time``: the engine's step-time model (the engine observes every step);
+        None: a model of its own, fed through ``observe_step``."""
         self.k_max = k_max
         self.min_gain = min_gain
         self.max_batch_size = max_batch_size
         self.uses_draft_model = uses_draft_model
         self.adaptive = adaptive                   # False: full k for every candidate, every step
-        self.forward_time = LinearTimeModel()      # target forward seconds vs tokens
+        self.forward_time = forward_time or LinearTimeModel()   # target forward seconds vs tokens
         self.draft_time = LinearTimeModel()        # one draft pass seconds vs sequences
         self.stats = SpecStats()
         self._seqs: dict[int, _SeqState] = {}
@@ -170,7 +173,8 @@ class SpecController:
 
     # ---------------------------------------------------------------- learning
     def observe_step(self, num_tokens: int, forward_s: float) -> None:
-        """One target forward over ``num_tokens`` tokens took ``forward_s`` seconds."""
+        """One target forward over ``num_tokens`` tokens took ``forward_s`` seconds (only
+        for a controller with its own model: the engine feeds the shared one)."""
         if num_tokens > 0:
             self.forward_time.observe(num_tokens, forward_s)
 

@@ -48,8 +48,7 @@ class Speculator:
     def observe(self, plan: StepPlan, result: StepResult, updates: list[SeqUpdate]) -> None:
         """Feed step times and verification outcomes to the controller; let the proposer
         roll its state forward; forget sequences that ended or were preempted."""
-        controller = self.controller
-        controller.observe_step(plan.num_tokens, result.forward_time_s)
+        controller = self.controller              # step times: the engine feeds the shared model
         for num_seqs, seconds in self.proposer.pass_times:
             controller.observe_draft_pass(num_seqs, seconds)
         for u in updates:
@@ -77,12 +76,14 @@ class Speculator:
         return self.controller.stats.as_dict()
 
 
-def build_speculator(spec, ctx, verifier: Verifier) -> Speculator:
+def build_speculator(spec, ctx, verifier: Verifier, step_time=None) -> Speculator:
     """The speculator for a SpeculativeConfig: its proposer from the registry, a controller
-    with the config's knobs, and the verifier the runner was given."""
+    with the config's knobs reading the engine's step-time model ``step_time``, and the
+    verifier the runner was given."""
     from kvserve.speculative.registry import proposer_entry
 
     proposer = proposer_entry(spec.method).build(ctx)
     controller = SpecController(spec.num_speculative_tokens, spec.min_gain, spec.max_batch_size,
-                                uses_draft_model=proposer.uses_model, adaptive=spec.adaptive)
+                                uses_draft_model=proposer.uses_model, adaptive=spec.adaptive,
+                                forward_time=step_time)
     return Speculator(proposer, controller, verifier)
