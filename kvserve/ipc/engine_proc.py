@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import os
 import select
+import signal
 import socket
 import sys
 import time
@@ -225,10 +226,20 @@ def serve(sock: socket.socket) -> int:
     return 0
 
 
+def ignore_stop_signals() -> None:
+    """SIGINT / SIGTERM sent to the whole process group (Ctrl-C in a terminal, ``kill -TERM
+    -PGID``, systemd's control-group kill) also reach this process: it ignores them, so the
+    HTTP process alone decides, drains its streams and then tells the engine to exit. The
+    engine still ends when told, or when the socket to the HTTP process closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description="kvserve engine-core process (started by kvserve serve)")
     parser.add_argument("--fd", type=int, required=True, help="inherited socket file descriptor")
     args = parser.parse_args(argv)
+    ignore_stop_signals()
     logging.basicConfig(level=os.environ.get("KVSERVE_LOG_LEVEL", "INFO"),
                         format="%(levelname)s engine: %(message)s", stream=sys.stderr)
     sock = socket.socket(fileno=args.fd)

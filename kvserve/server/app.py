@@ -30,7 +30,7 @@ from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFo
                                    UnsupportedMediaTypeError)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenSpeller
-from kvserve.server.serving import Generation, prepare_prompts
+from kvserve.server.serving import Generation, apply_generation_length, prepare_prompts
 from kvserve.server.state import ServerState
 from kvserve.server.timing import HEADER as SERVER_TIMING
 
@@ -48,6 +48,8 @@ class ServingContext:
     metrics: ServerMetrics
     max_body_bytes: int = 4 * 2**20
     default_deadline_s: float | None = None
+    default_max_tokens: int | None = 2048          # a chat request without max_tokens (not to the context's end)
+    max_tokens_limit: int | None = None            # the most max_tokens a request may ask (None: the context)
     api_keys: dict[str, KeyGrant | str] = field(default_factory=dict)   # key -> grant (or bare tenant)
     admin_key: str | None = None                   # --admin-api-key: required on the admin routes
     client: object = None                          # EngineClient once started
@@ -194,7 +196,8 @@ async def generate(request: Request, ctx: ServingContext, kind: str):
     spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
     adapter = select_adapter(ctx, spec.model)
     ctx.state.check_accepting(ctx.client)
-    prompts = prepare_prompts(spec, ctx.tokenizer, ctx.client.info)
+    prompts = await asyncio.to_thread(prepare_prompts, spec, ctx.tokenizer, ctx.client.info)   # never on the loop
+    apply_generation_length(spec, prompts, ctx.client.info, ctx.default_max_tokens, ctx.max_tokens_limit)
     scope_state = request.scope.get("state", {})
     service_class = choose_class(scope_state.get("service_class"), spec.service_class)
     generation = Generation(ctx, spec, prompts, scope_state.get("tenant"), adapter, service_class)
@@ -237,12 +240,12 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         adapters = ctx.client.adapters if ctx.client is not None else {}
         return {"object": "list", "data": [card, *lora.adapter_cards(adapters, ctx.model_name, max_model_len)]}
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         pid = ctx.client.info.pid if ctx.client is not None and ctx.client.info else None
         return {"status": "ok", "engine_pid": pid}
 
-    @app.get("/ready")
+    @app.api_route("/ready", methods=["GET", "HEAD"])
     async def ready():
         reason = ctx.state.not_ready_reason(ctx.client)
         ctx.metrics.ready.set(0 if reason else 1)
@@ -300,13 +303,7 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
     async def tokenize(request: Request):
         values = protocol.parse_tokenize(await read_json(request, ctx))
         select_adapter(ctx, values.get("model"))       # adapters share the base model's tokenizer
-        if values.get("messages") is not None:
-            text = ctx.tokenizer.apply_chat_template(values["messages"], add_generation_prompt=values.get(
-                "add_generation_prompt", True) is not False)
-            tokens = ctx.tokenizer.encode(text, add_special_tokens=False)
-        else:
-            tokens = ctx.tokenizer.encode(values["prompt"],
-                                          add_special_tokens=values.get("add_special_tokens") is not False)
+        tokens = await asyncio.to_thread(_tokenize_values, ctx.tokenizer, values)   # never on the loop
         info = ctx.client.info if ctx.client is not None else None
         return {"tokens": tokens, "count": len(tokens), "max_model_len": info.max_model_len if info else None}
 
@@ -318,6 +315,15 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
         if bad:
             raise protocol.InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": ctx.tokenizer.decode(values["tokens"])}
+
+
+def _tokenize_values(tokenizer, values: dict) -> list[int]:
+    """The token ids of a /tokenize body's prompt or rendered messages."""
+    if values.get("messages") is not None:
+        text = tokenizer.apply_chat_template(values["messages"], add_generation_prompt=values.get(
+            "add_generation_prompt", True) is not False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(values["prompt"], add_special_tokens=values.get("add_special_tokens") is not False)
 
 
 def build_app(ctx: ServingContext) -> AuthMiddleware:

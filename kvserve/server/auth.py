@@ -58,7 +58,10 @@ def as_grant(value: KeyGrant | str) -> KeyGrant:
 def load_keys(api_key: str | None = None, keys_file: str | None = None) -> dict[str, KeyGrant]:
     """key -> grant from the command line options (empty: authentication off)."""
     keys: dict[str, KeyGrant] = {}
-    if api_key:
+    if api_key is not None:
+        if not api_key.strip():
+            raise ValueError("--api-key (or KVSERVE_API_KEY) is empty: an empty key would turn "
+                             "authentication off; unset it to run without keys")
         keys[api_key] = KeyGrant("default")
     if keys_file:
         with open(keys_file, encoding="utf-8") as f:

@@ -65,6 +65,11 @@ def register(subparsers) -> None:
     lim.add_argument("--drain-timeout", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     lim.add_argument("--stall-timeout", type=float, default=60.0,
                      help="/ready is 503 when requests run and no token came for this long")
+    lim.add_argument("--default-max-tokens", type=int, default=2048,
+                     help="generation length of a chat request that names none (cut to the context left); "
+                          "0: run to the end of the context")
+    lim.add_argument("--max-tokens-limit", type=int, default=None,
+                     help="the most max_tokens a request may ask (default: the context); more is a 400")
     lim.add_argument("--default-deadline", type=float, default=None, help="per-request deadline in seconds")
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
@@ -174,13 +179,17 @@ def build_server(args):
     limits = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens, args.retry_after,
                              args.stall_timeout)
     api_keys = load_keys(args.api_key, args.api_keys_file)
-    admin_key = getattr(args, "admin_api_key", None) or None
+    admin_key = getattr(args, "admin_api_key", None)
+    if admin_key is not None and not admin_key.strip():
+        raise ValueError("--admin-api-key (or KVSERVE_ADMIN_API_KEY) is empty; unset it or give a key")
     if admin_key is not None and admin_key in api_keys:
         raise ValueError("--admin-api-key must differ from every API key")
     engine_config = engine_config_from_args(args, model_path, aliases)
     ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
                          state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
-                         default_deadline_s=args.default_deadline, api_keys=api_keys, admin_key=admin_key)
+                         default_deadline_s=args.default_deadline, api_keys=api_keys, admin_key=admin_key,
+                         default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
+                         max_tokens_limit=getattr(args, "max_tokens_limit", None))
     return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout)
 
 

@@ -61,6 +61,9 @@ class GenerateSpec:
 
 
 # ------------------------------------------------------------------ JSON body
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
 def _reject_constant(name: str):
     raise ValueError(f"{name} is not valid JSON")
 
@@ -97,7 +100,27 @@ def parse_json_body(body: bytes) -> dict:
         raise InvalidRequestError("the JSON body must be an object", code="invalid_json")
     if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json")
+    if _has_lone_surrogate(value):
+        raise InvalidRequestError("the body holds a lone UTF-16 surrogate escape (such as \\ud800), which "
+                                  "is not a Unicode character", code="invalid_encoding")
     return value
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """True if a string or key anywhere in ``value`` holds an unpaired surrogate (JSON's
+    ``\\ud800`` escapes decode to one; no tokenizer or encoder downstream accepts it)."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if _SURROGATE.search(item):
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 # -------------------------------------------------------------------- checkers

@@ -23,7 +23,7 @@ from kvserve.engine import admission
 from kvserve.engine.admission import EngineLimits
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.service_class import ServiceClass
-from kvserve.errors import KVServeError
+from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
 from kvserve.server.auth import cache_salt
@@ -46,8 +46,47 @@ class PreparedPrompt:
 
 
 # ------------------------------------------------------------------ prompts
+MAX_CHARS_PER_TOKEN = 64     # no vocabulary's token spells more: a longer text cannot fit the context
+
+
+def prompt_chars(spec: GenerateSpec) -> tuple[int, str]:
+    """Characters of text the request asks to tokenise, and the field that holds them."""
+    if spec.kind == "chat":
+        return sum(_text_chars(m) for m in spec.messages), "messages"
+    return sum(len(p.text or "") for p in spec.prompts) + len(spec.suffix or ""), "prompt"
+
+
+def _text_chars(value) -> int:
+    """Characters in every string of a message (its role, content and content parts)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_text_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_text_chars(v) for v in value)
+    return 0
+
+
+def check_prompt_size(spec: GenerateSpec, info) -> None:
+    """Refuse by size, before any tokenising, a prompt whose text cannot fit the context
+    (more than ``MAX_CHARS_PER_TOKEN`` characters per context token), or a chat with more
+    messages than the context has tokens: a 4 MiB body is refused at once."""
+    chars, param = prompt_chars(spec)
+    limit = info.max_model_len * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise ContextLengthExceededError(
+            f"the prompt has {chars} characters; this model's context of {info.max_model_len} tokens "
+            f"cannot hold more than {limit}", param=param)
+    if spec.kind == "chat" and len(spec.messages) >= info.max_model_len:
+        raise ContextLengthExceededError(
+            f"{len(spec.messages)} messages cannot fit this model's context of {info.max_model_len} tokens",
+            param="messages")
+
+
 def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]:
-    """Token ids of every prompt, each checked against the context and the KV cache."""
+    """Token ids of every prompt, each checked against the context and the KV cache.
+    Tokenising is slow for long texts: the HTTP loop calls this in a worker thread."""
+    check_prompt_size(spec, info)
     check_logit_bias(spec, info)
     if spec.kind == "chat":
         text = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
@@ -77,6 +116,22 @@ def completion_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedProm
         else:
             prompts.append(PreparedPrompt(p.text, tokenizer.encode(p.text)))
     return prompts
+
+
+def apply_generation_length(spec: GenerateSpec, prompts: list[PreparedPrompt], info,
+                            default_max_tokens: int | None, max_tokens_limit: int | None) -> None:
+    """The server's generation-length rules on ``spec.params.max_tokens`` (in place): above
+    ``max_tokens_limit`` is a 400 naming the field; a request that names no length gets
+    ``default_max_tokens``, cut to what its longest prompt leaves of the context, instead of
+    running to the end of the context (None: the old behaviour)."""
+    asked = spec.params.max_tokens
+    if asked is not None and max_tokens_limit is not None and asked > max_tokens_limit:
+        raise InvalidRequestError(f"{spec.max_tokens_param} is {asked}; this server allows at most "
+                                  f"{max_tokens_limit}", param=spec.max_tokens_param)
+    caps = [x for x in (default_max_tokens, max_tokens_limit) if x is not None]
+    if asked is None and caps:
+        room = info.max_model_len - max(len(p.token_ids) for p in prompts)
+        spec.params.max_tokens = max(1, min(*caps, room))
 
 
 def engine_limits(info) -> EngineLimits:
