@@ -3,8 +3,9 @@
 Order of checks for a generation request (all before any response header):
 auth (middleware) -> content type (415) -> body size (413) -> UTF-8 / JSON (400)
 -> fields (400, naming the field) -> model: the base or a LoRA adapter (404)
--> starting / draining (503) -> tokenise, context length (400) -> queue bound
-(503 + Retry-After) -> engine.
+-> starting / draining (503) -> prompt size in characters, then tokenise in a worker
+thread, context length (400) -> generation length: the default, the limit (400)
+-> queue bound (503 + Retry-After) -> engine.
 
 Every generation response carries ``Server-Timing`` (``timing.py``): a whole body all
 four phases; a stream sends its headers once its first token is in (queue, prefill,

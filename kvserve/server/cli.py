@@ -56,6 +56,12 @@ def register(subparsers) -> None:
     sch.add_argument("--class-targets", default=None, metavar="JSON",
                      help='per-class target overrides, e.g. \'{"interactive": {"tpot_s": 0.1}}\'')
     _add_lora_arguments(p)
+    _add_limit_arguments(p)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def _add_limit_arguments(p) -> None:
     lim = p.add_argument_group("limits")
     lim.add_argument("--max-queued-requests", type=int, default=256,
                      help="requests admitted but not yet scheduled; past it: 503 + Retry-After")
@@ -71,8 +77,6 @@ def register(subparsers) -> None:
     lim.add_argument("--max-tokens-limit", type=int, default=None,
                      help="the most max_tokens a request may ask (default: the context); more is a 400")
     lim.add_argument("--default-deadline", type=float, default=None, help="per-request deadline in seconds")
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=run)
 
 
 def _add_lora_arguments(p) -> None:

@@ -62,6 +62,7 @@ class GenerateSpec:
 
 # ------------------------------------------------------------------ JSON body
 _SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")    # the only way JSON text can spell one
 
 
 def _reject_constant(name: str):
@@ -100,7 +101,7 @@ def parse_json_body(body: bytes) -> dict:
         raise InvalidRequestError("the JSON body must be an object", code="invalid_json")
     if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
         raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json")
-    if _has_lone_surrogate(value):
+    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):     # the walk only when escaped
         raise InvalidRequestError("the body holds a lone UTF-16 surrogate escape (such as \\ud800), which "
                                   "is not a Unicode character", code="invalid_encoding")
     return value
