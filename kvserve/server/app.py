@@ -2,10 +2,15 @@
 
 Order of checks for a generation request (all before any response header):
 auth (middleware) -> content type (415) -> body size (413) -> UTF-8 / JSON (400)
--> fields (400, naming the field) -> model: the base or a LoRA adapter (404)
--> starting / draining (503) -> prompt size in characters, then tokenise in a worker
-thread, context length (400) -> generation length: the default, the limit (400)
--> queue bound (503 + Retry-After) -> engine.
+-> fields (400, naming the field) -> model: the base or a LoRA adapter (404), one the
+tenant may use (403) -> starting / draining (503) -> the tenant's concurrency and
+requests per minute (429) -> input guards (400 content_policy_violation, or redacted)
+-> prompt size in characters, then tokenise in a worker thread, context length (400)
+-> generation length: the tenant's or the server's default and limit (400) -> the
+tenant's prompt-token limit (400) -> tokens per minute reserved (429) -> queue bound
+(503 + Retry-After) -> engine. Every generation request leaves one audit line when it
+ends (``audit.py``); a limited tenant's responses carry ``x-ratelimit-*`` headers
+(``tenancy.RateLimitHeaders``).
 
 Every generation response carries ``Server-Timing`` (``timing.py``): a whole body all
 four phases; a stream sends its headers once its first token is in (queue, prefill,
@@ -17,6 +22,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
@@ -25,14 +31,18 @@ from starlette.requests import ClientDisconnect
 
 from kvserve.errors import KVServeError
 from kvserve.server import lora, protocol
+from kvserve.server.audit import AuditRecord
 from kvserve.server.auth import AuthMiddleware, KeyGrant
 from kvserve.server.classes import choose_class
 from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFoundError, ServiceUnavailableError,
                                    UnsupportedMediaTypeError)
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenSpeller
-from kvserve.server.serving import Generation, apply_generation_length, prepare_prompts
+from kvserve.server.serving import (Generation, apply_generation_length, new_request_id, prepare_prompts,
+                                    token_reservation)
 from kvserve.server.state import ServerState
+from kvserve.server.guarding import guard_input
+from kvserve.server.tenancy import RateLimitHeaders, RequestAccount, Tenancy
 from kvserve.server.timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger("kvserve.server")
@@ -52,8 +62,10 @@ class ServingContext:
     default_max_tokens: int | None = 2048          # a chat request without max_tokens (not to the context's end)
     max_tokens_limit: int | None = None            # the most max_tokens a request may ask (None: the context)
     api_keys: dict[str, KeyGrant | str] = field(default_factory=dict)   # key -> grant (or bare tenant)
-    admin_key: str | None = None                   # --admin-api-key: required on the admin routes
+    admin_keys: tuple[str, ...] = ()               # --admin-api-key / tenants file: the admin routes need one
+    tenancy: Tenancy = field(default_factory=Tenancy)   # the tenants file's limits, guards and audit log
     client: object = None                          # EngineClient once started
+    start_drain: Callable[[], None] | None = None  # set by the launcher: POST /admin/drain calls it
     active: set = field(default_factory=set)       # Generations in flight
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -64,8 +76,9 @@ class ServingContext:
 # ------------------------------------------------------------------- errors
 def error_response(err: KVServeError, headers: dict[str, str] | None = None) -> JSONResponse:
     headers = dict(headers or {})
-    if isinstance(err, ServiceUnavailableError):
-        headers["Retry-After"] = str(err.retry_after_s)
+    retry_after_s = getattr(err, "retry_after_s", None)          # 503 and 429
+    if retry_after_s is not None:
+        headers["Retry-After"] = str(retry_after_s)
     return JSONResponse(err.to_dict(), status_code=err.http_status, headers=headers)
 
 
@@ -193,22 +206,22 @@ async def _stream_response(request: Request, generation: Generation) -> EventStr
 
 
 async def generate(request: Request, ctx: ServingContext, kind: str):
-    body = await read_json(request, ctx)
-    spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
-    adapter = select_adapter(ctx, spec.model)
-    ctx.state.check_accepting(ctx.client)
-    prompts = await asyncio.to_thread(prepare_prompts, spec, ctx.tokenizer, ctx.client.info)   # never on the loop
-    apply_generation_length(spec, prompts, ctx.client.info, ctx.default_max_tokens, ctx.max_tokens_limit)
+    """A completions or chat request, from body to response; one audit line when it ends."""
     scope_state = request.scope.get("state", {})
-    service_class = choose_class(scope_state.get("service_class"), spec.service_class)
-    generation = Generation(ctx, spec, prompts, scope_state.get("tenant"), adapter, service_class)
-    ctx.state.admit(ctx.client, len(prompts), generation.num_prompt_tokens)
+    account = RequestAccount(ctx.tenancy, AuditRecord(new_request_id(kind), scope_state.get("tenant"), kind),
+                             ctx.metrics)
+    generation = None
     try:
+        generation = await _admit_generation(request, ctx, kind, account, scope_state)
         generation.submit()
-    except BaseException:
-        generation.close()
+    except BaseException as exc:
+        status, code = (exc.http_status, exc.code) if isinstance(exc, KVServeError) else (500, "internal_error")
+        account.record.refuse(status, code)
+        if generation is not None:
+            generation.close()                            # aborts what was submitted; ends the account
+        account.end()
         raise
-    if spec.stream:
+    if generation.spec.stream:
         return await _stream_response(request, generation)
     watcher = asyncio.create_task(_watch_disconnect(request.receive, generation))
     try:
@@ -220,6 +233,30 @@ async def generate(request: Request, ctx: ServingContext, kind: str):
     if result is None:
         return Response(status_code=499)                  # nobody is listening any more
     return JSONResponse(result, headers={SERVER_TIMING: generation.server_timing()})
+
+
+async def _admit_generation(request: Request, ctx: ServingContext, kind: str, account: RequestAccount,
+                            scope_state: dict) -> Generation:
+    """Every check before the engine, in the module docstring's order; a refusal raises
+    (the caller ends the account) and closes whatever it opened."""
+    tenant = account.record.tenant
+    body = await read_json(request, ctx)
+    spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
+    account.record.model, account.record.stream = spec.model, spec.stream
+    adapter = select_adapter(ctx, spec.model)
+    ctx.tenancy.check_model(tenant, adapter, ctx.model_aliases)
+    ctx.state.check_accepting(ctx.client)
+    account.ticket = ctx.tenancy.limiter.admit(tenant)
+    await guard_input(ctx, spec, account.record)
+    prompts = await asyncio.to_thread(prepare_prompts, spec, ctx.tokenizer, ctx.client.info)   # never on the loop
+    caps = ctx.tenancy.caps(tenant, ctx.default_max_tokens, ctx.max_tokens_limit)
+    apply_generation_length(spec, prompts, ctx.client.info, caps.default_max_tokens, caps.max_tokens_limit)
+    ctx.tenancy.check_prompt_tokens(tenant, max(len(p.token_ids) for p in prompts),
+                                    "messages" if kind == "chat" else "prompt")
+    ctx.tenancy.limiter.reserve_tokens(account.ticket, token_reservation(spec, prompts, ctx.client.info))
+    service_class = choose_class(scope_state.get("service_class"), spec.service_class)
+    ctx.state.admit(ctx.client, len(prompts), sum(len(p.token_ids) for p in prompts))
+    return Generation(ctx, spec, prompts, tenant, adapter, service_class, account=account)
 
 
 # ------------------------------------------------------------------ routes
@@ -273,6 +310,15 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
         num_blocks = await _engine(ctx).reset_prefix_cache()
         logger.info("prefix cache reset: %d cached blocks dropped", num_blocks)
         return {"reset": True}
+
+    @app.post("/admin/drain")
+    async def drain():
+        """Admin: stop taking requests and drain them, as on SIGTERM; the server exits once drained."""
+        if ctx.start_drain is None:
+            raise ServiceUnavailableError("this server was not started by the launcher and cannot drain",
+                                          code="not_supported")
+        ctx.start_drain()
+        return {"draining": True}
 
     @app.post("/v1/load_lora_adapter")
     async def load_lora_adapter(request: Request):
@@ -328,9 +374,11 @@ def _tokenize_values(tokenizer, values: dict) -> list[int]:
 
 
 def build_app(ctx: ServingContext) -> AuthMiddleware:
-    """The ASGI application: FastAPI routes behind the API-key middleware."""
+    """The ASGI application: FastAPI routes behind the rate-limit headers (when a tenant is
+    limited) and the API-key middleware."""
     app = FastAPI(title="kvserve", docs_url=None, redoc_url=None, openapi_url=None)
     _install_error_handlers(app, ctx)
     _add_routes(app, ctx)
     app.state.ctx = ctx
-    return AuthMiddleware(app, ctx.api_keys, ctx.admin_key)
+    inner = RateLimitHeaders(app, ctx.tenancy.limiter) if ctx.tenancy.limiter.has_limits else app
+    return AuthMiddleware(inner, ctx.api_keys, ctx.admin_keys)

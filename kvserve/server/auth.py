@@ -11,9 +11,10 @@ The tenant goes into ``scope["state"]["tenant"]`` for the engine (prefix-cache
 isolation), the pinned class (None: not pinned) into ``scope["state"]["service_class"]``.
 
 Admin routes (``/admin/*``, ``/v1/load_lora_adapter``, ``/v1/unload_lora_adapter``) sit
-behind the same keys. With ``--admin-api-key`` they need that key instead: another
-configured key gets 403, a missing or unknown one 401. The admin key opens only the
-admin routes.
+behind the same keys. With admin keys (``--admin-api-key``, the tenants file's
+``admin_keys``) they need one of those instead: another configured key gets 403, a
+missing or unknown one 401; ``/metrics`` becomes an admin route too (its series name
+every tenant). An admin key opens only the admin routes.
 """
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 ADMIN_PREFIX = "/admin/"
 ADMIN_TENANT = "admin"
 NO_AUTH_CACHE_SALT = "kvserve:no-auth"     # every request's salt when no keys are configured
+
+
+METRICS_PATH = "/metrics"
 
 
 def is_admin_path(path: str) -> bool:
@@ -136,12 +140,13 @@ def match_key(keys: dict[str, KeyGrant | str], authorization: bytes | None) -> K
 class AuthMiddleware:
     """ASGI middleware: 401 in the OpenAI error shape unless the key matches; with an
     admin key, admin routes need it (403 for another valid key). ``keys`` maps a key to
-    its grant (or to a bare tenant name)."""
+    its grant (or to a bare tenant name); ``admin_keys`` open the admin routes and
+    /metrics (none: those routes take the ordinary keys)."""
 
-    def __init__(self, app, keys: dict[str, KeyGrant | str], admin_key: str | None = None):
+    def __init__(self, app, keys: dict[str, KeyGrant | str], admin_keys: tuple[str, ...] = ()):
         self.app = app
         self.keys = {key: as_grant(value) for key, value in keys.items()}
-        self.admin_key = admin_key.encode("utf-8") if admin_key else None
+        self.admin_keys = tuple(key.encode("utf-8") for key in admin_keys)
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -149,7 +154,8 @@ class AuthMiddleware:
         state = scope.setdefault("state", {})
         state["tenant"] = None
         state["service_class"] = None
-        if self.admin_key is not None and is_admin_path(scope["path"]):
+        path = scope["path"]
+        if self.admin_keys and (is_admin_path(path) or path == METRICS_PATH):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             refusal = self._check_admin(header)
             if refusal is not None:
@@ -157,7 +163,7 @@ class AuthMiddleware:
                 return await _send_json(send, refusal.http_status, refusal.to_dict(), headers)
             state["tenant"] = ADMIN_TENANT
             return await self.app(scope, receive, send)
-        if self.keys and scope["path"] not in PUBLIC_PATHS:
+        if self.keys and path not in PUBLIC_PATHS:
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             grant = match_key(self.keys, header)
             if grant is None:
@@ -172,12 +178,21 @@ class AuthMiddleware:
     def _check_admin(self, header: bytes | None):
         """None if the header carries the admin key; else the error to answer with."""
         presented = bearer_token(header)
-        if presented is not None and hmac.compare_digest(presented, self.admin_key):
+        if presented is not None and _matches_any(presented, self.admin_keys):
             return None
         if match_key(self.keys, header) is not None:
-            return PermissionDeniedError("this route needs the admin API key (--admin-api-key)")
+            return PermissionDeniedError("this route needs an admin API key (--admin-api-key or the "
+                                         "tenants file's admin_keys)")
         return AuthenticationError("missing API key: send 'Authorization: Bearer <admin key>'" if header is None
                                    else "invalid API key")
+
+
+def _matches_any(presented: bytes, keys: tuple[bytes, ...]) -> bool:
+    """Whether ``presented`` is one of ``keys``, compared with each in constant time."""
+    found = False
+    for key in keys:
+        found |= hmac.compare_digest(presented, key)
+    return found
 
 
 async def _send_json(send, status: int, body: dict, extra_headers: list) -> None:

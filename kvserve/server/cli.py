@@ -21,8 +21,13 @@ def register(subparsers) -> None:
                    help="require 'Authorization: Bearer KEY' (tenant 'default'); env KVSERVE_API_KEY")
     p.add_argument("--api-keys-file", default=None, help="file of 'KEY TENANT' lines or a JSON {key: tenant}")
     p.add_argument("--admin-api-key", default=os.environ.get("KVSERVE_ADMIN_API_KEY"),
-                   help="require this key on /admin/* and the LoRA load/unload routes (other keys get 403); "
-                        "env KVSERVE_ADMIN_API_KEY")
+                   help="require this key on /admin/*, the LoRA load/unload routes and /metrics (other keys "
+                        "get 403); env KVSERVE_ADMIN_API_KEY")
+    p.add_argument("--tenants", default=None, metavar="FILE",
+                   help="tenants file (TOML or YAML): keys, limits, classes, guards, fair-share weights, audit "
+                        "log; see examples/tenants.toml and docs/tenants.md")
+    p.add_argument("--audit-log", default=None, metavar="FILE",
+                   help="append one JSON line per generation request to FILE (overrides the tenants file's)")
     eng = p.add_argument_group("engine")
     eng.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget in GiB")
     eng.add_argument("--max-num-seqs", type=int, default=64)
@@ -172,29 +177,57 @@ def build_server(args):
     """A KVServer for these arguments (loads the tokenizer; the engine starts in serve())."""
     from kvserve.loader import resolve_model_path
     from kvserve.server.app import ServingContext
-    from kvserve.server.auth import load_keys
     from kvserve.server.launcher import KVServer
     from kvserve.server.metrics import ServerMetrics
     from kvserve.server.state import AdmissionLimits, ServerState
+    from kvserve.server.tenants import load_tenants
     from kvserve.tokenizer import Tokenizer
 
     model_path = resolve_model_path(args.model)
     name, aliases = model_names(model_path, args.served_model_name)
     limits = AdmissionLimits(args.max_queued_requests, args.max_queued_tokens, args.retry_after,
                              args.stall_timeout)
+    tenants = load_tenants(args.tenants) if getattr(args, "tenants", None) else None
+    api_keys, admin_keys = server_keys(args, tenants)
+    engine_config = engine_config_from_args(args, model_path, aliases)
+    if tenants is not None:          # tenants share the engine by weighted tokens served
+        engine_config.update(fair_share=True, tenant_weights=tenants.weights())
+    ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
+                         state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
+                         default_deadline_s=args.default_deadline, api_keys=api_keys, admin_keys=admin_keys,
+                         tenancy=build_tenancy(tenants, getattr(args, "audit_log", None)),
+                         default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
+                         max_tokens_limit=getattr(args, "max_tokens_limit", None))
+    return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout)
+
+
+def server_keys(args, tenants) -> tuple[dict, tuple[str, ...]]:
+    """(key -> grant, admin keys) from --api-key, --api-keys-file, --admin-api-key and the
+    tenants file; a key given twice or an empty admin key is a ValueError."""
+    from kvserve.server.auth import KeyGrant, load_keys
     api_keys = load_keys(args.api_key, args.api_keys_file)
     admin_key = getattr(args, "admin_api_key", None)
     if admin_key is not None and not admin_key.strip():
         raise ValueError("--admin-api-key (or KVSERVE_ADMIN_API_KEY) is empty; unset it or give a key")
-    if admin_key is not None and admin_key in api_keys:
-        raise ValueError("--admin-api-key must differ from every API key")
-    engine_config = engine_config_from_args(args, model_path, aliases)
-    ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
-                         state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
-                         default_deadline_s=args.default_deadline, api_keys=api_keys, admin_key=admin_key,
-                         default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
-                         max_tokens_limit=getattr(args, "max_tokens_limit", None))
-    return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout)
+    admin_keys = (admin_key,) if admin_key is not None else ()
+    if tenants is not None:
+        admin_keys += tuple(k for k in tenants.admin_keys if k not in admin_keys)
+        for name, tenant in tenants.tenants.items():
+            for key in tenant.keys:
+                if key in api_keys:
+                    raise ValueError(f"tenants file: a key of tenant {name!r} is also given by --api-key or "
+                                     "--api-keys-file")
+                api_keys[key] = KeyGrant(name, tenant.service_class)
+    if any(key in api_keys for key in admin_keys):
+        raise ValueError("an admin key must differ from every API key")
+    return api_keys, admin_keys
+
+
+def build_tenancy(tenants, audit_log: str | None):
+    """The tenants file's rules for the HTTP process (guards built from its [guards])."""
+    from kvserve.server.guarding import build_guard_sets
+    from kvserve.server.tenancy import Tenancy
+    return Tenancy.from_config(tenants, build_guard_sets(tenants), audit_log)
 
 
 def run(args) -> int:

@@ -72,6 +72,7 @@ class KVServer:
         config = uvicorn.Config(build_app(ctx), host=host, port=port, log_level="warning", access_log=False,
                                 lifespan="off", timeout_graceful_shutdown=5, backlog=4096)
         self.uvicorn = _Uvicorn(config, self._start_drain)
+        ctx.start_drain = self._start_drain
         self.exit_code = 0
         self._tasks: set[asyncio.Task] = set()
 
@@ -119,6 +120,9 @@ class KVServer:
         self.uvicorn.should_exit = True
 
     def _start_drain(self) -> None:
+        """SIGTERM / SIGINT or POST /admin/drain: once."""
+        if self.ctx.state.draining:
+            return
         logger.warning("stop signal: draining (up to %.1f s)", self.drain_timeout_s)
         self.ctx.state.draining = True
         self._spawn(self._drain())

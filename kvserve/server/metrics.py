@@ -148,6 +148,37 @@ class ClassMetrics:
             self.tpot.observe(tpot_s, **{"class": service_class.value})
 
 
+GUARD_BUCKETS_S = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+                   5.0, 10.0)
+
+
+class TenantMetrics:
+    """Per tenant: generation requests by how they ended and their tokens; per guard: its
+    latency and decisions (``/metrics`` is an admin route when admin keys are set)."""
+
+    def __init__(self):
+        self.requests = Counter("kvserve_tenant_requests_total",
+                                "Generation requests ended, by tenant, HTTP status and error code.")
+        self.tokens = Counter("kvserve_tenant_tokens_total",
+                              "Prompt and generated tokens of ended requests, by tenant and kind.")
+        self.guard_latency = Histogram("kvserve_guard_latency_seconds",
+                                       "Time one guard took on one text, by guard and point.", GUARD_BUCKETS_S)
+        self.guard_decisions = Counter("kvserve_guard_decisions_total",
+                                       "Guard decisions by guard, point and decision.")
+        self.all = [self.requests, self.tokens, self.guard_latency, self.guard_decisions]
+
+    def observe_request(self, tenant: str | None, status: int, code: str | None, prompt_tokens: int,
+                        completion_tokens: int) -> None:
+        name = tenant if tenant is not None else ""
+        self.requests.inc(tenant=name, status=str(status), code=code or "")
+        self.tokens.inc(prompt_tokens, tenant=name, kind="prompt")
+        self.tokens.inc(completion_tokens, tenant=name, kind="completion")
+
+    def observe_guard(self, guard: str, point: str, decision: str, seconds: float) -> None:
+        self.guard_latency.observe(seconds, guard=guard, point=point)
+        self.guard_decisions.inc(guard=guard, point=point, decision=decision)
+
+
 class LoRAMetrics:
     """LoRA adapters: the engine's tiers and loads (``EngineStats.adapters``), vLLM's
     ``lora_requests_info`` convention, and per-adapter counters kept by the HTTP process
@@ -241,6 +272,7 @@ class ServerMetrics:
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
         self.classes = ClassMetrics()
+        self.tenants = TenantMetrics()
         self.lora = LoRAMetrics()
         self.lora_enabled = False                 # set once the engine's stats say LoRA is on
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
@@ -249,7 +281,7 @@ class ServerMetrics:
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
                      self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
-                     self.rejected, *self.classes.all]
+                     self.rejected, *self.classes.all, *self.tenants.all]
 
     def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""

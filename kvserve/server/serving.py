@@ -26,11 +26,13 @@ from kvserve.engine.service_class import ServiceClass
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
+from kvserve.server.audit import AuditRecord
 from kvserve.server.auth import cache_salt
 from kvserve.server.classes import tier_for_class
 from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
+from kvserve.server.tenancy import RequestAccount
 from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
 from kvserve.tokenizer.fim import build_fim_prompt, require_fim
 
@@ -134,6 +136,23 @@ def apply_generation_length(spec: GenerateSpec, prompts: list[PreparedPrompt], i
         spec.params.max_tokens = max(1, min(*caps, room))
 
 
+def token_reservation(spec: GenerateSpec, prompts: list[PreparedPrompt], info) -> int:
+    """The most tokens a request can use: every prompt plus ``n x max_tokens`` for each
+    (a request without a length may run to the end of the context)."""
+    total = 0
+    for prompt in prompts:
+        max_tokens = spec.params.max_tokens
+        if max_tokens is None:
+            max_tokens = max(info.max_model_len - len(prompt.token_ids), 0)
+        total += len(prompt.token_ids) + spec.params.n * max_tokens
+    return total
+
+
+def new_request_id(kind: str) -> str:
+    """A response id: ``cmpl-...`` for completions, ``chatcmpl-...`` for chat."""
+    return f"{'cmpl' if kind == 'completion' else 'chatcmpl'}-{uuid.uuid4().hex[:24]}"
+
+
 def engine_limits(info) -> EngineLimits:
     """The engine's numbers (from ``EngineReady``) that admission checks against."""
     return EngineLimits(info.max_model_len, info.vocab_size, info.block_size, info.num_blocks, info.kv_max_tokens)
@@ -160,16 +179,19 @@ class Generation:
     name its tier."""
 
     def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None,
-                 adapter: str | None = None, service_class: ServiceClass = ServiceClass.CHAT):
+                 adapter: str | None = None, service_class: ServiceClass = ServiceClass.CHAT,
+                 account: RequestAccount | None = None):
         self.ctx, self.spec, self.prompts, self.tenant, self.adapter = ctx, spec, prompts, tenant, adapter
         self.service_class = service_class
         self.tracked: list = []                     # the engine client's TrackedRequests (their timings)
-        prefix = "cmpl" if spec.kind == "completion" else "chatcmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.account = account or RequestAccount(ctx.tenancy, AuditRecord(new_request_id(spec.kind), tenant,
+                                                                          spec.kind))
+        self.id = self.account.record.id
         self.sink: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()
         self.engine_ids = [f"{self.id}-{i}-{next(_ids)}" for i in range(len(prompts))]
         self.outputs: dict[int, RequestOutput] = {}
+        self.filtered: dict[int, str] = {}          # choice index -> "content_filter" once a guard stopped it
         self.builder = ResponseBuilder(spec.kind, self.id, adapter or ctx.model_name, ctx.speller, spec.logprobs,
                                        spec.params.n, tier_for_class(service_class))
         self._deadline_handle: asyncio.TimerHandle | None = None
@@ -216,10 +238,28 @@ class Generation:
                     self.outputs[tag] = output
 
     def close(self) -> None:
+        """Abort what still runs, and end the account (rate-limit ticket, audit line) once."""
         self.abort_all()
         if self._deadline_handle is not None:
             self._deadline_handle.cancel()
         self.ctx.active.discard(self)
+        if not self.account.ended:
+            self._fill_record()
+            self.account.end(self.num_prompt_tokens + self._completion_tokens())
+
+    def _fill_record(self) -> None:
+        """The audit record's view of how the request went."""
+        record = self.account.record
+        record.adapter, record.service_class = self.adapter, self.service_class.value
+        record.prompt_tokens, record.completion_tokens = self.num_prompt_tokens, self._completion_tokens()
+        record.cached_tokens = self._cached_tokens()
+        completions = [c for out in self.outputs.values() for c in out.outputs]
+        record.finish_reasons = [self.filtered.get(self.builder.choice_index(tag, c.index), c.finish_reason or "")
+                                 for tag, out in self.outputs.items() for c in out.outputs]
+        record.timings_ms = {k: round(v, 3) for k, v in self.timing(ended=True).phases_ms().items()}
+        if self.ctx.tenancy.keeps_text(self.tenant):
+            record.prompt_text = "\n".join(p.text or "" for p in self.prompts)
+            record.output_text = [c.text for c in completions]
 
     # ----------------------------------------------------------------- timing
     def timing(self, ended: bool = False) -> RequestTiming:

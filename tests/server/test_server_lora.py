@@ -173,8 +173,8 @@ def _unload(server, name: str, key: str | None = ADMIN_KEY) -> httpx.Response:
 
 
 def _metrics(server) -> dict[str, float]:
-    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {USER_KEY}"}, timeout=30)
-    assert r.status_code == 200
+    r = httpx.get(server.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=30)
+    assert r.status_code == 200                  # with an admin key, /metrics is an admin route
     return parse_metrics(r.text)
 
 

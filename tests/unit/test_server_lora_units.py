@@ -241,7 +241,7 @@ def _app_client(api_keys, admin_key):
     from kvserve.server.state import AdmissionLimits, ServerState
     ctx = ServingContext(tokenizer=None, model_name="m", model_aliases=frozenset({"m"}),
                          state=ServerState(AdmissionLimits()), metrics=ServerMetrics(), api_keys=api_keys,
-                         admin_key=admin_key)
+                         admin_keys=(admin_key,) if admin_key else ())
     return TestClient(build_app(ctx), raise_server_exceptions=False)
 
 
