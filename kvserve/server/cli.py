@@ -82,6 +82,24 @@ def _add_limit_arguments(p) -> None:
     lim.add_argument("--max-tokens-limit", type=int, default=None,
                      help="the most max_tokens a request may ask (default: the context); more is a 400")
     lim.add_argument("--default-deadline", type=float, default=None, help="per-request deadline in seconds")
+    lim.add_argument("--max-header-bytes", type=int, default=64 * 1024,
+                     help="request line + headers; past it: 431 and the connection closes (default 65536)")
+    lim.add_argument("--max-header-fields", type=int, default=100, help="header fields per request; past it: 431")
+    lim.add_argument("--header-timeout", type=float, default=10.0,
+                     help="seconds a request head may take (from the connection's start, or from its first "
+                          "byte on a kept-alive connection); then 408 and close")
+    lim.add_argument("--body-timeout", type=float, default=30.0,
+                     help="seconds without a body byte while the body is read; then 408 and close")
+    lim.add_argument("--max-connections", type=int, default=1024,
+                     help="open HTTP connections; past it a new one gets 503 + Retry-After and is closed")
+
+
+def http_limits(args):
+    """The HTTP protocol's bounds (``http_protocol.HttpLimits``) from the limit flags."""
+    from kvserve.server.http_protocol import HttpLimits
+    return HttpLimits(max_header_bytes=args.max_header_bytes, max_header_fields=args.max_header_fields,
+                      header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                      max_connections=args.max_connections, retry_after_s=args.retry_after)
 
 
 def _add_lora_arguments(p) -> None:
@@ -198,7 +216,8 @@ def build_server(args):
                          tenancy=build_tenancy(tenants, getattr(args, "audit_log", None)),
                          default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
                          max_tokens_limit=getattr(args, "max_tokens_limit", None))
-    return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout)
+    return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout,
+                    http_limits=http_limits(args))
 
 
 def server_keys(args, tenants) -> tuple[dict, tuple[str, ...]]:

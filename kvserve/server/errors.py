@@ -93,3 +93,31 @@ class EngineStartError(KVServeError):
     http_status = 500
     error_type = "server_error"
     code = "engine_start_failed"
+
+
+class InvalidHttpRequestError(KVServeError):
+    """The HTTP parser refused the request itself (a malformed request line or header, a
+    negative Content-Length, Content-Length with chunked Transfer-Encoding, an HTTP/2
+    preface): 400, and the connection is closed (``http_protocol.py``)."""
+
+    http_status = 400
+    error_type = "invalid_request_error"
+    code = "invalid_http_request"
+
+
+class RequestTimeoutError(KVServeError):
+    """The request head, or the body while it was being read, did not arrive in time
+    (--header-timeout, --body-timeout): 408, and the connection is closed."""
+
+    http_status = 408
+    error_type = "timeout_error"
+    code = "request_timeout"
+
+
+class HeaderFieldsTooLargeError(KVServeError):
+    """The request line and headers exceed --max-header-bytes, or there are more header
+    fields than the limit: 431, and the connection is closed."""
+
+    http_status = 431
+    error_type = "invalid_request_error"
+    code = "request_header_fields_too_large"

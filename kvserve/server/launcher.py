@@ -26,6 +26,7 @@ import uvicorn
 from kvserve.server.app import ServingContext, build_app
 from kvserve.server.engine_client import EngineClient
 from kvserve.server.errors import EngineStartError
+from kvserve.server.http_protocol import HttpLimits, http_protocol_factory
 
 logger = logging.getLogger("kvserve.server")
 EXIT_GRACE_S = 0.5            # let error responses flush before stopping after an engine death
@@ -64,17 +65,24 @@ class KVServer:
     """Owns the uvicorn server, the engine client and the drain / death handling."""
 
     def __init__(self, ctx: ServingContext, engine_config: dict, host: str, port: int,
-                 drain_timeout_s: float = 30.0, engine_start_timeout_s: float = 600.0):
+                 drain_timeout_s: float = 30.0, engine_start_timeout_s: float = 600.0,
+                 http_limits: HttpLimits | None = None):
         self.ctx = ctx
         self.engine_config = engine_config
         self.drain_timeout_s = drain_timeout_s
         self.engine_start_timeout_s = engine_start_timeout_s
+        self.http_limits = http_limits or HttpLimits()
+        protocol = http_protocol_factory(self.http_limits, on_refused=self._count_refusal)
         config = uvicorn.Config(build_app(ctx), host=host, port=port, log_level="warning", access_log=False,
-                                lifespan="off", timeout_graceful_shutdown=5, backlog=4096)
+                                lifespan="off", timeout_graceful_shutdown=5, backlog=4096, http=protocol)
         self.uvicorn = _Uvicorn(config, self._start_drain)
         ctx.start_drain = self._start_drain
         self.exit_code = 0
         self._tasks: set[asyncio.Task] = set()
+
+    def _count_refusal(self, status: int, code: str) -> None:
+        """A refusal of the HTTP protocol itself (431, 408, 400, connection cap) in /metrics."""
+        self.ctx.metrics.rejected.inc(status=str(status), code=code)
 
     async def serve(self) -> int:
         self._spawn(self._start_engine())
