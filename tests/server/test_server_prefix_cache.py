@@ -122,3 +122,35 @@ def test_metrics_expose_the_prefix_cache(server):
     samples = parse_metrics(r.text)
     assert samples["kvserve_prefix_cache_queries_total"] >= 2
     assert samples["kvserve_prefix_cache_hit_tokens_total"] > 0
+
+
+def _prefill_ms(server, key: str, prompt: str) -> tuple[float, int]:
+    """(prefill ms from Server-Timing, cached tokens) of a one-token completion."""
+    r = _post(server, "/v1/completions", key, {"model": MODEL, "prompt": prompt, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    phases = dict(part.strip().split(";dur=") for part in r.headers["server-timing"].split(","))
+    return float(phases["prefill"]), r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+
+@pytest.mark.model
+def test_probing_another_tenants_prompt_times_like_a_miss(server):
+    """Bob probing prompts Alice has cached: cached_tokens 0 and a prefill as long as an
+    uncached prompt's, not as short as his own cached prompt's (medians of 5)."""
+    import statistics
+    probe, own_cached, miss = [], [], []
+    for _ in range(5):
+        alices, bobs = _prompt() * 3, _prompt() * 3
+        _cached(server, ALICE, alices)
+        ms, cached = _prefill_ms(server, BOB, alices)
+        assert cached == 0
+        probe.append(ms)
+        ms, cached = _prefill_ms(server, BOB, bobs)
+        assert cached == 0
+        miss.append(ms)
+        ms, cached = _prefill_ms(server, BOB, bobs)
+        assert cached > 0
+        own_cached.append(ms)
+    probe_ms, miss_ms, hit_ms = (statistics.median(x) for x in (probe, miss, own_cached))
+    print(f"prefill ms medians: probe {probe_ms:.1f}, own miss {miss_ms:.1f}, own hit {hit_ms:.1f}")
+    assert hit_ms < 0.6 * miss_ms                          # a hit is visible in the timing ...
+    assert probe_ms > 0.75 * miss_ms                       # ... and another tenant's prompt is not a hit
