@@ -213,9 +213,9 @@ def build_server(args):
     ctx = ServingContext(tokenizer=Tokenizer.load(model_path), model_name=name, model_aliases=aliases,
                          state=ServerState(limits), metrics=ServerMetrics(), max_body_bytes=args.max_body_bytes,
                          default_deadline_s=args.default_deadline, api_keys=api_keys, admin_keys=admin_keys,
-                         tenancy=build_tenancy(tenants, getattr(args, "audit_log", None)),
                          default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
                          max_tokens_limit=getattr(args, "max_tokens_limit", None))
+    ctx.tenancy = build_tenancy(tenants, getattr(args, "tenants", None), getattr(args, "audit_log", None), ctx)
     return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout,
                     http_limits=http_limits(args))
 
@@ -242,11 +242,16 @@ def server_keys(args, tenants) -> tuple[dict, tuple[str, ...]]:
     return api_keys, admin_keys
 
 
-def build_tenancy(tenants, audit_log: str | None):
-    """The tenants file's rules for the HTTP process (guards built from its [guards])."""
+def build_tenancy(tenants, tenants_path: str | None, audit_log: str | None, ctx):
+    """The tenants file's rules for the HTTP process (guards built from its [guards];
+    model guards ask ``ctx``'s engine)."""
     from kvserve.server.guarding import build_guard_sets
     from kvserve.server.tenancy import Tenancy
-    return Tenancy.from_config(tenants, build_guard_sets(tenants), audit_log)
+    try:
+        guard_sets = build_guard_sets(tenants, ctx)
+    except ValueError as exc:
+        raise ValueError(f"{tenants_path}: {exc}") from None
+    return Tenancy.from_config(tenants, guard_sets, audit_log)
 
 
 def run(args) -> int:

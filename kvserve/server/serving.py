@@ -32,6 +32,7 @@ from kvserve.server.classes import tier_for_class
 from kvserve.server.errors import DeadlineExceededError
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
+from kvserve.server.guarding import output_screen
 from kvserve.server.tenancy import RequestAccount
 from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
 from kvserve.tokenizer.fim import build_fim_prompt, require_fim
@@ -196,6 +197,7 @@ class Generation:
                                        spec.params.n, tier_for_class(service_class))
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
+        self.screen = output_screen(ctx, tenant, self.account.record, self.builder)   # None: no output guards
         # echo with logprobs: prompt logprobs gathered per prompt, echoed once complete
         self._prompt_logprobs: dict[int, list] = {tag: [None] for tag in range(len(prompts))}
         self._echoed: set[int] = set()
@@ -298,15 +300,22 @@ class Generation:
                 tag, event = await self.sink.get()
                 if tag == CONTROL:
                     if event == "disconnect":
+                        self.account.record.refuse(499, "client_disconnected")
                         return None
                     if event == "deadline":
+                        self.account.record.refuse(504, DeadlineExceededError.code)
                         raise DeadlineExceededError("the request's deadline passed before it finished",
                                                     param="deadline_s")
                     self.abort_all()                          # drain timeout: finish_reason abort
+                elif isinstance(event, CompletionDelta):
+                    await self._screen_delta(tag, event, [])     # a violation stops it early
                 elif isinstance(event, RequestOutput):
                     self.outputs[tag] = event
                 elif isinstance(event, KVServeError):
+                    self.account.record.refuse(event.http_status, event.code)
                     raise event
+            if self.screen is not None:
+                await self.screen.screen_outputs(self)
             return self._full_body()
         finally:
             self.close()
@@ -319,6 +328,8 @@ class Generation:
                         if self.spec.echo else None)
             for completion in output.outputs:
                 index = self.builder.choice_index(tag, completion.index)
+                if self.screen is not None:
+                    completion = self.screen.screened(index, completion, self.filtered)
                 if self.spec.kind == "completion":
                     choices.append(self.builder.completion_choice(index, completion, prefix, echo_lps))
                 else:
@@ -342,8 +353,10 @@ class Generation:
                 tag, event = await self.sink.get()
                 if tag == CONTROL:
                     if event == "disconnect":
+                        self.account.record.refuse(499, "client_disconnected")
                         return
                     if event == "deadline":
+                        self.account.record.refuse(200, DeadlineExceededError.code)
                         yield sse(DeadlineExceededError("the request's deadline passed before it finished",
                                                         param="deadline_s").to_dict())
                         for chunk in self._done_chunks():
@@ -353,14 +366,16 @@ class Generation:
                     for chunk in self._abort_chunks():
                         yield chunk
                 elif isinstance(event, CompletionDelta):
-                    for chunk in self._echo_with_logprobs(tag, event):
-                        yield chunk
-                    chunk = self._delta_chunk(tag, event)
-                    if chunk is not None:
+                    chunks = self._echo_with_logprobs(tag, event)
+                    if self.builder.choice_index(tag, event.index) not in self.filtered:
+                        chunk = self._delta_chunk(tag, event)
+                        chunks += [chunk] if chunk is not None else []
+                    for chunk in await self._screen_delta(tag, event, chunks):
                         yield chunk
                 elif isinstance(event, RequestOutput):
                     self.outputs[tag] = event
                 elif isinstance(event, KVServeError):
+                    self.account.record.refuse(200, event.code)      # the stream had begun: an error event
                     yield sse(event.to_dict())
                     for chunk in self._done_chunks():
                         yield chunk
@@ -406,6 +421,31 @@ class Generation:
         self._seen_choice.add(index)
         return sse(self.builder.chunk(index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason,
                                       delta.stop_reason, role=first and self.spec.kind == "chat"))
+
+    async def _screen_delta(self, tag: int, delta: CompletionDelta, chunks: list[bytes]) -> list[bytes]:
+        """The chunks to send now: without guards, ``chunks``; with them, the chunks held
+        since the last check once it passes, or the choice's content_filter end once it
+        fails (its engine request is aborted: every choice of that prompt ends so)."""
+        if self.screen is None:
+            return chunks
+        index = self.builder.choice_index(tag, delta.index)
+        if index in self.filtered:
+            return chunks
+        released = await self.screen.on_delta(index, delta, chunks)
+        if released is not None:
+            return released
+        output = self.ctx.client.abort(self.engine_ids[tag])
+        if output is not None:
+            self.outputs[tag] = output
+        ends = []
+        for i in range(self.spec.params.n):
+            stopped = self.builder.choice_index(tag, i)
+            self.filtered[stopped] = "content_filter"
+            self.screen.drop(stopped)
+            if self.spec.stream:
+                first = not self.screen.has_released(stopped) and self.spec.kind == "chat"
+                ends.append(sse(self.builder.chunk(stopped, "", finish_reason="content_filter", role=first)))
+        return ends
 
     def _abort_chunks(self) -> list[bytes]:
         """Final chunks (finish_reason ``abort``) of completions ended by a drain."""

@@ -149,3 +149,61 @@ def test_audit_log_has_one_line_per_request_without_text(server):
     assert "Keep my text" in kept["prompt_text"] and kept["output_text"] == [erin.json()["choices"][0]["text"]]
     refused = [line for line in lines if line["status"] == 429]
     assert refused and all(line["error_code"] == "rate_limit_exceeded" for line in refused)
+
+
+# ------------------------------------------------------------------- guards
+def test_blocked_input_is_a_400_for_every_form(server):
+    """The example's rules guard blocks BLOCKME in prompts, chat messages, streamed or not,
+    and in token-id prompts (decoded before the check)."""
+    ids = httpx.post(server.url + "/tokenize", json={"prompt": "say BLOCKME now", "add_special_tokens": False},
+                     headers={"Authorization": "Bearer bob-key"}).json()["tokens"]
+    chat = {"model": MODEL, "messages": [{"role": "system", "content": "x"},
+                                         {"role": "user", "content": [{"type": "text", "text": "hi BLOCKME"}]}],
+            "max_tokens": 4}
+    cases = [("/v1/completions", _completion("please BLOCKME")),
+             ("/v1/completions", _completion("please BLOCKME", stream=True)),
+             ("/v1/completions", _completion(ids)),
+             ("/v1/chat/completions", chat), ("/v1/chat/completions", {**chat, "stream": True})]
+    for path, body in cases:
+        r = _post(server, "bob-key", body, path)
+        assert r.status_code == 400, (body, r.text)
+        error = r.json()["error"]
+        assert error["code"] == "content_policy_violation" and "BLOCKME" not in error["message"]
+    assert _post(server, "bob-key", _completion("please BLOCK ME")).status_code == 200
+
+
+def _stream_text(server, key: str, body: dict, path: str = "/v1/completions") -> tuple[str, list[str]]:
+    """(the streamed text, the finish reasons seen) of a streamed request."""
+    text, reasons = "", []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=120,
+                      headers={"Authorization": f"Bearer {key}"}) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:]).get("choices", []):
+                    text += choice.get("text") or (choice.get("delta") or {}).get("content") or ""
+                    if choice.get("finish_reason"):
+                        reasons.append(choice["finish_reason"])
+    return text, reasons
+
+
+def test_output_guard_stops_stream_and_body_with_content_filter(server):
+    """carol's guard blocks the word Paris on the stream and the output: the greedy
+    continuation of the prompt names it, so the choice ends with content_filter and the
+    word never reaches the client; bob (no such guard) gets it."""
+    body = _completion("The capital of France is", 8, temperature=0)
+    assert "Paris" in _post(server, "bob-key", body).json()["choices"][0]["text"]
+    r = _post(server, "carol-key", {**body, "logprobs": 2})
+    choice = r.json()["choices"][0]
+    assert r.status_code == 200 and choice["finish_reason"] == "content_filter"
+    assert "Paris" not in json.dumps(r.json()) and choice["logprobs"] is None
+    text, reasons = _stream_text(server, "carol-key", body)
+    assert reasons == ["content_filter"] and "Paris" not in text
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "max_tokens": 24, "temperature": 0}
+    text, reasons = _stream_text(server, "carol-key", chat, "/v1/chat/completions")
+    assert reasons == ["content_filter"] and "Paris" not in text
+    lines = [json.loads(line) for line in server.audit_path.read_text().splitlines()]
+    carol = [line for line in lines if line["tenant"] == "carol"]
+    assert carol and all(line["finish_reasons"] == ["content_filter"] for line in carol)
+    assert any(g["guard"] == "paris" and g["decision"] == "block" for g in carol[-1]["guards"])
