@@ -139,7 +139,7 @@ def test_probing_another_tenants_prompt_times_like_a_miss(server):
     import statistics
     probe, own_cached, miss = [], [], []
     for _ in range(5):
-        alices, bobs = _prompt() * 3, _prompt() * 3
+        alices, bobs = _prompt() * 2, _prompt() * 2
         _cached(server, ALICE, alices)
         ms, cached = _prefill_ms(server, BOB, alices)
         assert cached == 0
