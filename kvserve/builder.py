@@ -23,6 +23,7 @@ from kvserve.engine.bandwidth import measure_copy_bandwidth
 from kvserve.engine.config import EngineConfig, resolve
 from kvserve.engine.cpu_dtype import pick_cpu_dtype
 from kvserve.engine.engine_core import EngineCore
+from kvserve.engine.fair_share import FairSharePolicy
 from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.kv.prefix_cache import PrefixCache
@@ -71,10 +72,11 @@ def build_kv_cache(resolved, mc, draft, budget: int, device: torch.device, dtype
 
 def build_policy(resolved, step_time: LinearTimeModel):
     """The scheduling policy the resolved config names (the SLO policy reads the engine's
-    step-time model)."""
-    if resolved.scheduling_policy == "fcfs":
-        return FcfsPolicy()
-    return SloPolicy(resolved.slo, step_time)
+    step-time model), wrapped in the fair-share policy when that is on."""
+    policy = FcfsPolicy() if resolved.scheduling_policy == "fcfs" else SloPolicy(resolved.slo, step_time)
+    if resolved.fair_share is not None:
+        return FairSharePolicy(policy, resolved.fair_share)
+    return policy
 
 
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvserve.config import ModelConfig
 from kvserve.engine.admission import check_grace_s
+from kvserve.engine.fair_share import FairShareSettings, check_weights
 from kvserve.engine.scheduler import SchedulerConfig
 from kvserve.engine.service_class import parse_class
 from kvserve.engine.slo_policy import DEFAULT_TARGETS, ClassTargets, SloPolicySettings
@@ -58,6 +59,10 @@ class EngineConfig:
     batch_window_s: float = 0.0
     max_passed_over_steps: int = 32
     min_step_tokens: int = 32
+    # Fair sharing between tenants (docs/fairness.md): order tenants by weighted tokens
+    # served within the policy's classes; tenant_weights: {tenant: weight > 0}, others 1.
+    fair_share: bool = False
+    tenant_weights: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -80,6 +85,7 @@ class ResolvedConfig:
     dtype_reason: str = ""                # why ``dtype`` was chosen (logged at start)
     scheduling_policy: str = "slo"        # "slo" or "fcfs"
     slo: SloPolicySettings | None = None  # the SLO policy's settings (None for fcfs)
+    fair_share: FairShareSettings | None = None   # None: fair sharing off
 
 
 @dataclass(frozen=True)
@@ -117,7 +123,20 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
         scheduler=SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens,
                                   config.prefix_cache_grace_s),
         quantization=config.quantization, kv_cache_dtype=kv_dtype, dtype_reason=reason,
-        scheduling_policy=config.scheduling_policy, slo=resolve_slo(config))
+        scheduling_policy=config.scheduling_policy, slo=resolve_slo(config),
+        fair_share=resolve_fair_share(config))
+
+
+def resolve_fair_share(config: EngineConfig) -> FairShareSettings | None:
+    """The fair-share settings (None when ``fair_share`` is off); ``tenant_weights`` are
+    checked either way (names are strings, weights finite and > 0)."""
+    if config.tenant_weights is not None and not isinstance(config.tenant_weights, dict):
+        raise InvalidRequestError("tenant_weights must be a map of tenant -> weight", param="tenant_weights")
+    try:
+        weights = check_weights(config.tenant_weights)
+    except ValueError as e:
+        raise InvalidRequestError(f"tenant_weights: {e}", param="tenant_weights") from None
+    return FairShareSettings(weights) if config.fair_share else None
 
 
 def resolve_slo(config: EngineConfig) -> SloPolicySettings | None:

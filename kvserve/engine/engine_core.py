@@ -16,6 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.adapter_catalog import AdapterCatalog
 from kvserve.engine.admission import EngineLimits, check_context, check_grace_s, check_logit_bias, check_token_ids
 from kvserve.engine.config import ResolvedConfig
+from kvserve.engine.fair_share import tenant_served_tokens
 from kvserve.engine.kv.cache_events import CacheEvent
 from kvserve.engine.kv.manager import KVCacheManager
 from kvserve.engine.kv.sizing import KVCachePlan
@@ -195,7 +196,8 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         """Gauges and counters for metrics: sequences, KV blocks, preemptions, steps, the
-        prefix cache's queries and hits, speculation, and the step-time fit."""
+        prefix cache's queries and hits, speculation, the step-time fit, and (fair sharing
+        on) the tokens computed per tenant."""
         cache, pool = self.kv.cache_stats(), self.kv.block_pool
         fit = self.step_time.coefficients()
         return EngineStats(
@@ -211,4 +213,5 @@ class EngineCore:
             prefix_cache_blocks=cache.num_cached_blocks if cache else 0,
             speculation=self.speculator.counters(),
             step_time_fixed_s=fit[0] if fit else 0.0, step_time_per_token_s=fit[1] if fit else 0.0,
-            adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters())
+            adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters(),
+            tenant_served_tokens=tenant_served_tokens(self.scheduler.policy))

@@ -24,6 +24,10 @@ from kvserve.engine.sequence import Sequence
 class SchedulingPolicy(Protocol):
     """What the scheduler asks each step (plain numbers and sequences, no tensors)."""
 
+    #: How many leading elements of ``sort_key`` form the policy's groups (classes,
+    #: priorities): a wrapping policy orders within them, before the rest (arrival).
+    num_group_keys: int
+
     def sort_key(self, seq: Sequence) -> tuple:
         """Order among running sequences (served first, preempted last) and among
         waiting ones (admitted first). Must be unique per sequence."""
@@ -52,10 +56,17 @@ class SchedulingPolicy(Protocol):
         """When nothing is runnable because sequences are held back: seconds until one
         may be admitted (the engine waits that long for new messages); None otherwise."""
 
+    def end_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The step's plan is made: each scheduled sequence and the tokens it computes
+        (from its ``num_computed_tokens``; positions before the end of the prompt are
+        input). Called once at the end of every ``schedule()``."""
+
 
 class FcfsPolicy:
     """First come, first served within ``priority``; the whole budget every step;
     aborted requests' blocks get no grace."""
+
+    num_group_keys = 1                    # (priority, arrival, sibling)
 
     def sort_key(self, seq: Sequence) -> tuple:
         return seq.sort_key
@@ -78,3 +89,6 @@ class FcfsPolicy:
 
     def wake_in_s(self, now: float) -> float | None:
         return None
+
+    def end_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        pass

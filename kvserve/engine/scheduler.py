@@ -5,7 +5,9 @@ and a number of tokens to compute; each step hands out a token budget across
 sequences, running ones first, then waiting ones. A ``SchedulingPolicy``
 (``engine/policy.py``) gives the order, the step's budget, the part of it running
 sequences leave for waiting ones, and who waits or may preempt (FCFS by default:
-priority, arrival, the whole ``max_num_batched_tokens``). The scheduler decides who
+priority, arrival, the whole ``max_num_batched_tokens``); it is told each step's
+scheduled sequences and token counts at the end of ``schedule`` (``end_step``: the
+fair-share policy charges tenants there). The scheduler decides who
 runs and how many tokens; the ``KVCacheManager`` decides which blocks: when it
 cannot find enough (after evicting unlocked cached blocks), the last running
 sequence in the policy's order is preempted by recompute and returns to the
@@ -116,7 +118,7 @@ class Scheduler:
                             priority=request.priority, arrival_index=arrival, cache_namespace=namespace,
                             cache_grace_s=request.prefix_cache_grace_s,
                             max_lookahead_tokens=request.num_speculative_tokens, adapter_key=adapter_key,
-                            service_class=request.service_class, arrival_time=now)
+                            service_class=request.service_class, tenant=request.tenant, arrival_time=now)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
@@ -194,15 +196,8 @@ class Scheduler:
         if not plan.preempted_seq_ids:
             budget = self._admit_waiting(plan, budget, scheduled_ids)
         plan.token_budget_left = budget
-        self._count_passed_over(plan)
+        policy.end_step([(self._seqs[item.seq_id], item.num_tokens) for item in plan.scheduled])
         return plan
-
-    def _count_passed_over(self, plan: StepPlan) -> None:
-        """How many steps in a row each unfinished sequence was left out (the policy's
-        starvation guard reads it)."""
-        scheduled = {item.seq_id for item in plan.scheduled}
-        for seq in itertools.chain(self._running, (seq for _key, seq in self._waiting)):
-            seq.num_steps_passed_over = 0 if seq.seq_id in scheduled else seq.num_steps_passed_over + 1
 
     def wake_in_s(self) -> float | None:
         """Seconds until a sequence the policy holds back may be admitted (None: none is)."""

@@ -72,9 +72,11 @@ class Sequence:
     # prompt_logprobs: prompt positions whose logprob was already reported (a recompute
     # after preemption does not report them twice). Position 0 has none.
     num_prompt_logprobs_done: int = 1
-    # Scheduling policy inputs: the request's latency class, when it was added (the
-    # scheduler's clock), and how many schedule() calls in a row passed it over.
+    # Scheduling policy inputs: the request's latency class, its tenant (None: none named;
+    # the fair-share policy's accounting), when it was added (the scheduler's clock), and
+    # how many schedule() calls in a row passed it over.
     service_class: ServiceClass = ServiceClass.CHAT
+    tenant: str | None = None
     arrival_time: float = 0.0
     num_steps_passed_over: int = 0
 

@@ -15,8 +15,12 @@ TPOT targets.
 - Batching window: a new batch-class request waits up to ``batch_window_s`` so that more
   arrive and share a step; it is released early once the waiting batch requests would
   fill the step's budget or the free sequence slots. Interactive and chat never wait.
-- No starvation: a sequence passed over for ``max_passed_over_steps`` steps in a row is
-  served as if interactive until it runs, so every class progresses at a bounded rate.
+- No starvation: a sequence left out of ``max_passed_over_steps`` steps in which a higher
+  class ran (counted since it last ran) is served as if interactive until it runs, so every
+  class progresses at a bounded rate. Steps that only ran its own or lower classes do not
+  count: waiting behind its own class (full slots, a flood) is not starvation, and aging
+  there would let a backlog outrank the next interactive request and undo the fair-share
+  order within the class.
 - Keystrokes: an aborted interactive request keeps its cached blocks protected for the
   grace a finished one gets (the next keystroke's prompt extends it).
 """
@@ -60,12 +64,15 @@ class SloPolicySettings:
 class SloPolicy:
     """Request classes with TTFT/TPOT targets (see the module docstring)."""
 
+    num_group_keys = 2                    # (rank, priority, arrival, sibling)
+
     def __init__(self, settings: SloPolicySettings | None = None, step_time: LinearTimeModel | None = None):
         """``step_time``: the engine's measured step-time model (it observes every step)."""
         self.settings = settings or SloPolicySettings()
         self.step_time = step_time or LinearTimeModel()
         self._batch_released = True
         self._oldest_held: float | None = None
+        self._candidates: list[Sequence] = []    # this step's running and waiting sequences
 
     # ------------------------------------------------------------------ order
     def rank(self, seq: Sequence) -> int:
@@ -80,6 +87,7 @@ class SloPolicy:
     # ------------------------------------------------------------------- step
     def begin_step(self, running, waiting, max_num_batched_tokens: int, free_seq_slots: int,
                    now: float) -> int:
+        self._candidates = [*running, *waiting]
         budget = self._budget(running, waiting, max_num_batched_tokens)
         self._decide_window(waiting, budget, free_seq_slots, now)
         return budget
@@ -144,3 +152,15 @@ class SloPolicy:
 
     def abort_grace_s(self, seq: Sequence, grace_s: float) -> float:
         return grace_s if seq.service_class is ServiceClass.INTERACTIVE else 0.0
+
+    def end_step(self, scheduled: list[tuple[Sequence, int]]) -> None:
+        """The starvation guard's count: a sequence this step left out while a higher class
+        ran is passed over once more; a scheduled one starts again from 0."""
+        ran = {seq.seq_id for seq, _n in scheduled}
+        best_rank = min((seq.service_class.rank for seq, _n in scheduled), default=None)
+        for seq in self._candidates:
+            if seq.seq_id in ran:
+                seq.num_steps_passed_over = 0
+            elif best_rank is not None and best_rank < seq.service_class.rank and not seq.is_finished:
+                seq.num_steps_passed_over += 1
+        self._candidates = []

@@ -69,6 +69,8 @@ class EngineStats:
     # the measured step-time model t = a + b * tokens (0 until two step sizes were seen)
     step_time_fixed_s: float = 0.0        # a: seconds of a step whatever its size
     step_time_per_token_s: float = 0.0    # b: seconds per token in the step
+    # fair sharing on: tokens computed per tenant since start ("" = requests without one)
+    tenant_served_tokens: dict[str, int] = field(default_factory=dict)
     # set by the engine process's loop
     num_requests: int = 0                 # requests the loop tracks (added, not ended)
     num_aborted: int = 0

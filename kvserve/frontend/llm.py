@@ -23,7 +23,7 @@ class LLM:
 
     Keyword arguments are EngineConfig fields (``kv_cache_bytes``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``num_threads``, ``enable_prefix_cache``, ``enable_lora``,
-    ``max_loras``, ...).
+    ``max_loras``, ``fair_share``, ``tenant_weights``, ...).
     """
 
     def __init__(self, model: str | None = None, **engine_kwargs):
@@ -92,7 +92,8 @@ class LLM:
                  prefix_cache_grace_s: float | None = None,
                  num_speculative_tokens: int | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
-                 service_class: str | Sequence[str] = "chat") -> list[RequestOutput]:
+                 service_class: str | Sequence[str] = "chat",
+                 tenant: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         ``lora_request``: one adapter for every prompt, or one (or None) per prompt; a
@@ -105,7 +106,9 @@ class LLM:
         requests' drafts per step when the engine speculates (0 = off); each output
         counts its verified and accepted drafts. ``service_class``: "interactive", "chat"
         or "batch" (or an OpenAI service tier), for every prompt or one per prompt; it
-        changes when tokens come, never which.
+        changes when tokens come, never which. ``tenant``: who the requests are for (one
+        name for every prompt or one per prompt): with ``fair_share=True`` tenants share a
+        saturated engine by weighted tokens served (docs/fairness.md).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -116,6 +119,7 @@ class LLM:
             raise InvalidRequestError("need one SamplingParams per prompt", param="sampling_params")
         adapter_names = self._adapter_names(lora_request, adapter_id, len(prompt_list))
         classes = self._service_classes(service_class, len(prompt_list))
+        tenants = self._tenants(tenant, len(prompt_list))
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = self.encode_prompt(prompt)
@@ -125,7 +129,7 @@ class LLM:
                                     adapter_id=adapter_names[i], use_prefix_cache=use_prefix_cache,
                                     prefix_cache_grace_s=prefix_cache_grace_s,
                                     num_speculative_tokens=num_speculative_tokens,
-                                    service_class=classes[i])
+                                    service_class=classes[i], tenant=tenants[i])
             requests.append((text, request))
         for _text, request in requests:
             self.engine.validate_request(request)      # all or nothing
@@ -143,6 +147,14 @@ class LLM:
             return [parse_class(name) for name in names]
         except ValueError as e:
             raise InvalidRequestError(str(e), param="service_class") from None
+
+    @staticmethod
+    def _tenants(tenant: str | None | Sequence[str | None], count: int) -> list[str | None]:
+        tenants = [tenant] * count if tenant is None or isinstance(tenant, str) else list(tenant)
+        if len(tenants) != count or not all(t is None or isinstance(t, str) for t in tenants):
+            raise InvalidRequestError("tenant: one name (or None) for every prompt, or one per prompt",
+                                      param="tenant")
+        return tenants
 
     def _adapter_names(self, lora_request, adapter_id: str | None, count: int) -> list[str | None]:
         """The adapter name of each prompt, loading (or reloading) what ``lora_request`` names."""

@@ -60,6 +60,9 @@ def register(subparsers) -> None:
                      help="how long a new batch-class (service_tier flex) request may wait to share a step")
     sch.add_argument("--class-targets", default=None, metavar="JSON",
                      help='per-class target overrides, e.g. \'{"interactive": {"tpot_s": 0.1}}\'')
+    sch.add_argument("--fair-share", action="store_true",
+                     help="share a saturated engine between tenants by weighted tokens served, within each "
+                          "class (docs/fairness.md; on with --tenants, whose weights it uses)")
     _add_lora_arguments(p)
     _add_limit_arguments(p)
     p.add_argument("--log-level", default="INFO")
@@ -148,7 +151,7 @@ def scheduling_config(args) -> dict:
     if not 0 <= window_ms <= 10_000:
         raise ValueError(f"--batch-window-ms must be within [0, 10000], got {window_ms}")
     return {"scheduling_policy": getattr(args, "scheduling_policy", "slo"), "class_targets": targets,
-            "batch_window_s": window_ms / 1000.0}
+            "batch_window_s": window_ms / 1000.0, "fair_share": bool(getattr(args, "fair_share", False))}
 
 
 def lora_config(args, base_aliases: frozenset[str] = frozenset()) -> dict:

@@ -165,7 +165,9 @@ class TenantMetrics:
                                        "Time one guard took on one text, by guard and point.", GUARD_BUCKETS_S)
         self.guard_decisions = Counter("kvserve_guard_decisions_total",
                                        "Guard decisions by guard, point and decision.")
-        self.all = [self.requests, self.tokens, self.guard_latency, self.guard_decisions]
+        self.served = Counter("kvserve_tenant_served_tokens_total",
+                              "Tokens the engine computed per tenant (prompt and generated; fair sharing on).")
+        self.all = [self.requests, self.tokens, self.guard_latency, self.guard_decisions, self.served]
 
     def observe_request(self, tenant: str | None, status: int, code: str | None, prompt_tokens: int,
                         completion_tokens: int) -> None:
@@ -312,6 +314,8 @@ class ServerMetrics:
         if stats.adapters.enabled:
             self.lora_enabled = True
             self.lora.update(stats.adapters, time.time())
+        for tenant, tokens in stats.tenant_served_tokens.items():
+            self.tenants.served.set_total(tokens, tenant=tenant)
 
     def render(self) -> str:
         lines = []

@@ -90,3 +90,22 @@ def test_class_mix_invariance(model_path, subset, uncontended):
     _compare(uncontended[:6], outputs)
     mixed.engine.check_integrity()
     assert mixed.engine.block_pool.num_used_blocks == 0
+
+
+def test_fair_share_invariance(model_path, subset, uncontended):
+    """Tenants change timing, never tokens: two tenants (weights 1:3) through the fair-share
+    policy over the SLO classes, four slots and a small pool (preemption), give the
+    uncontended greedy outputs."""
+    # 12 blocks x 16 tokens = 192 tokens of KV for four sequences of ~75 tokens each.
+    shared = LLM(model_path, dtype="float32", kv_cache_bytes=12 * 16 * 46080, max_num_seqs=4,
+                 max_num_batched_tokens=96, fair_share=True, tenant_weights={"light": 3.0})
+    chosen = subset[:6]
+    tenants = ["heavy", "heavy", "light", "heavy", None, "light"]
+    outputs = shared.generate([{"prompt_token_ids": p} for p in chosen], GREEDY, tenant=tenants)
+    print(f"preemptions: {shared.engine.scheduler.num_preemptions}")
+    assert shared.engine.scheduler.num_preemptions >= 1, "the pool was meant to force preemption"
+    _compare(uncontended[:6], outputs)
+    served = shared.engine.stats().tenant_served_tokens
+    assert set(served) == {"heavy", "light", ""} and served["light"] >= sum(len(chosen[i]) for i in (2, 5))
+    shared.engine.check_integrity()
+    assert shared.engine.block_pool.num_used_blocks == 0

@@ -74,6 +74,26 @@ def test_batch_progresses_under_sustained_interactive_load():
     assert len(batch_steps) >= 60 // 7 and max(gaps) <= 7   # at least once per passed_over + 1 steps
 
 
+def test_a_backlog_of_its_own_class_does_not_age_past_interactive():
+    """Chat requests waiting behind chat (all slots full) are not starved: they do not age
+    into the interactive rank, so an interactive request arriving after 100 such steps
+    takes the first slot that frees, ahead of every waiting chat request (before, the
+    aged backlog ranked as interactive and went first)."""
+    h = harness(budget=16, max_num_seqs=4, num_blocks=512, passed_over=32)
+    chats = [add(h, f"c{i}", 8, C, max_tokens=40) for i in range(60)]
+    for _ in range(100):
+        h.step()
+    waiting = {c.seq_id for c in chats if c.num_computed_tokens == 0}
+    inter = add(h, "i", 8, I, max_tokens=2)
+    for _ in range(60):
+        plan, _ = h.step()
+        started = scheduled_ids(plan) & (waiting | {inter.seq_id})
+        if started:
+            assert started == {inter.seq_id}
+            return
+    raise AssertionError("the interactive request never ran")
+
+
 def test_tpot_shaped_budget_while_interactive_decodes():
     policy = SloPolicy(SloPolicySettings(dict(DEFAULT_TARGETS), min_step_tokens=4))
     for tokens in (1, 8, 64, 256):                     # 10 ms + 1 ms per token
