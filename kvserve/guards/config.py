@@ -11,7 +11,7 @@
 Fields every guard has: ``points`` (input / stream / output), ``timeout_ms``,
 ``on_timeout`` and ``on_error`` ("open" | "closed"; ``on_error`` defaults to
 ``on_timeout``), ``every_tokens`` and ``window_chars`` (the stream point's cadence and
-window). A table that cannot be used raises ValueError naming the field path
+window; a rules guard checks every delta by default, a model guard every 16 tokens). A table that cannot be used raises ValueError naming the field path
 (``guards.pii.action: expected "block" or "redact", got 'mask'``).
 """
 from __future__ import annotations
@@ -28,9 +28,9 @@ from kvserve.guards.runner import FAIL_MODES, GuardSet, GuardSpec, Observer
 COMMON_FIELDS = frozenset({"type", "points", "timeout_ms", "on_timeout", "on_error", "every_tokens", "window_chars"})
 RULES_FIELDS = COMMON_FIELDS | {"words", "patterns", "pii", "action"}
 MODEL_FIELDS = COMMON_FIELDS | {"threshold", "adapter", "instruction", "examples", "labels", "max_chars"}
-DEFAULTS = {  # type -> (points, timeout_ms)
-    "rules": (("input", "stream", "output"), 100),
-    "model": (("input", "output"), 2000),
+DEFAULTS = {  # type -> (points, timeout_ms, every_tokens)
+    "rules": (("input", "stream", "output"), 100, 1),     # microseconds a check: every delta, no added TTFT
+    "model": (("input", "output"), 2000, 16),             # an engine request a check
 }
 ClassifierFactory = Callable[[str | None], object]   # adapter name (None: base model) -> Classifier
 
@@ -47,7 +47,7 @@ def build_guard_spec(name: str, table: Mapping, make_classifier: ClassifierFacto
     if kind not in DEFAULTS:
         raise ValueError(f'{where}.type: expected "rules" or "model", got {kind!r}')
     _no_unknown(table, RULES_FIELDS if kind == "rules" else MODEL_FIELDS, where)
-    default_points, default_timeout_ms = DEFAULTS[kind]
+    default_points, default_timeout_ms, default_every_tokens = DEFAULTS[kind]
     points = _points(table.get("points", default_points), f"{where}.points")
     guard = (_rules(name, table, points, where) if kind == "rules"
              else _model(name, table, points, make_classifier, where))
@@ -55,7 +55,7 @@ def build_guard_spec(name: str, table: Mapping, make_classifier: ClassifierFacto
     on_timeout = _choice(table.get("on_timeout", "closed"), FAIL_MODES, f"{where}.on_timeout")
     on_error = _choice(table.get("on_error", on_timeout), FAIL_MODES, f"{where}.on_error")
     return GuardSpec(guard, points, timeout_ms / 1000.0, on_timeout, on_error,
-                     _int(table.get("every_tokens", 16), f"{where}.every_tokens", minimum=1),
+                     _int(table.get("every_tokens", default_every_tokens), f"{where}.every_tokens", minimum=1),
                      _int(table.get("window_chars", 512), f"{where}.window_chars", minimum=0))
 
 
