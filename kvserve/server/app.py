@@ -36,12 +36,12 @@ from kvserve.server.auth import AuthMiddleware, KeyGrant
 from kvserve.server.classes import choose_class
 from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFoundError, ServiceUnavailableError,
                                    UnsupportedMediaTypeError)
+from kvserve.server.guarding import guard_input
 from kvserve.server.metrics import ServerMetrics
 from kvserve.server.responses import TokenSpeller
-from kvserve.server.serving import (Generation, apply_generation_length, new_request_id, prepare_prompts,
-                                    token_reservation)
+from kvserve.server.serving import (Generation, apply_generation_length, check_prompt_size, new_request_id,
+                                    prepare_prompts, token_reservation)
 from kvserve.server.state import ServerState
-from kvserve.server.guarding import guard_input
 from kvserve.server.tenancy import RateLimitHeaders, RequestAccount, Tenancy
 from kvserve.server.timing import HEADER as SERVER_TIMING
 
@@ -215,8 +215,7 @@ async def generate(request: Request, ctx: ServingContext, kind: str):
         generation = await _admit_generation(request, ctx, kind, account, scope_state)
         generation.submit()
     except BaseException as exc:
-        status, code = (exc.http_status, exc.code) if isinstance(exc, KVServeError) else (500, "internal_error")
-        account.record.refuse(status, code)
+        account.record.refuse(*_refusal_status(exc))
         if generation is not None:
             generation.close()                            # aborts what was submitted; ends the account
         account.end()
@@ -235,10 +234,19 @@ async def generate(request: Request, ctx: ServingContext, kind: str):
     return JSONResponse(result, headers={SERVER_TIMING: generation.server_timing()})
 
 
+def _refusal_status(exc: BaseException) -> tuple[int, str]:
+    """(HTTP status, error code) the audit log records for a request that ended with ``exc``."""
+    if isinstance(exc, KVServeError):
+        return exc.http_status, exc.code
+    if isinstance(exc, asyncio.CancelledError):
+        return 499, "client_disconnected"
+    return 500, "internal_error"
+
+
 async def _admit_generation(request: Request, ctx: ServingContext, kind: str, account: RequestAccount,
                             scope_state: dict) -> Generation:
     """Every check before the engine, in the module docstring's order; a refusal raises
-    (the caller ends the account) and closes whatever it opened."""
+    (the caller ends the account). The size check runs before the guards see the text."""
     tenant = account.record.tenant
     body = await read_json(request, ctx)
     spec = protocol.parse_completion(body) if kind == "completion" else protocol.parse_chat(body)
@@ -247,6 +255,7 @@ async def _admit_generation(request: Request, ctx: ServingContext, kind: str, ac
     ctx.tenancy.check_model(tenant, adapter, ctx.model_aliases)
     ctx.state.check_accepting(ctx.client)
     account.ticket = ctx.tenancy.limiter.admit(tenant)
+    check_prompt_size(spec, ctx.client.info)
     await guard_input(ctx, spec, account.record)
     prompts = await asyncio.to_thread(prepare_prompts, spec, ctx.tokenizer, ctx.client.info)   # never on the loop
     caps = ctx.tenancy.caps(tenant, ctx.default_max_tokens, ctx.max_tokens_limit)

@@ -30,9 +30,9 @@ from kvserve.server.audit import AuditRecord
 from kvserve.server.auth import cache_salt
 from kvserve.server.classes import tier_for_class
 from kvserve.server.errors import DeadlineExceededError
+from kvserve.server.guarding import output_screen
 from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
-from kvserve.server.guarding import output_screen
 from kvserve.server.tenancy import RequestAccount
 from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
 from kvserve.tokenizer.fim import build_fim_prompt, require_fim
