@@ -26,7 +26,6 @@ from kvserve.engine.service_class import ServiceClass
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError, KVServeError
 from kvserve.frontend.output_processor import CompletionDelta
 from kvserve.frontend.outputs import RequestOutput
-from kvserve.server.audit import AuditRecord
 from kvserve.server.auth import cache_salt
 from kvserve.server.classes import tier_for_class
 from kvserve.server.errors import DeadlineExceededError
@@ -180,13 +179,11 @@ class Generation:
     name its tier."""
 
     def __init__(self, ctx, spec: GenerateSpec, prompts: list[PreparedPrompt], tenant: str | None,
-                 adapter: str | None = None, service_class: ServiceClass = ServiceClass.CHAT,
-                 account: RequestAccount | None = None):
+                 adapter: str | None, service_class: ServiceClass, account: RequestAccount):
         self.ctx, self.spec, self.prompts, self.tenant, self.adapter = ctx, spec, prompts, tenant, adapter
         self.service_class = service_class
         self.tracked: list = []                     # the engine client's TrackedRequests (their timings)
-        self.account = account or RequestAccount(ctx.tenancy, AuditRecord(new_request_id(spec.kind), tenant,
-                                                                          spec.kind))
+        self.account = account                      # its rate-limit ticket and audit record (app.generate)
         self.id = self.account.record.id
         self.sink: asyncio.Queue = asyncio.Queue()
         self.arrival = time.monotonic()

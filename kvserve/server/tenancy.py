@@ -64,8 +64,7 @@ class Tenancy:
         if config is None:
             return GenerationCaps(default_max_tokens, max_tokens_limit)
         limits = config.limits
-        limit = min(x for x in (max_tokens_limit, limits.max_tokens, 10**12) if x is not None)
-        limit = None if limit == 10**12 else limit
+        limit = min((x for x in (max_tokens_limit, limits.max_tokens) if x is not None), default=None)
         default = limits.default_max_tokens or default_max_tokens
         if default is not None and limit is not None:
             default = min(default, limit)
