@@ -10,6 +10,7 @@ import enum
 from dataclasses import dataclass
 
 from kvserve.engine.service_class import ServiceClass
+from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.sampling.params import SamplingParams
 
 
@@ -30,6 +31,8 @@ class EngineRequest:
       engine's setting, 0 = never speculate; ignored when speculation is off.
     - ``service_class``: the latency class (``engine/service_class.py``: interactive,
       chat, batch); the scheduling policy reads it, the tokens never depend on it.
+    - ``structured``: a constraint every sequence's output must match (JSON schema,
+      regex, choice, grammar); None = unconstrained.
     """
 
     request_id: str
@@ -44,6 +47,7 @@ class EngineRequest:
     prefix_cache_grace_s: float | None = None
     num_speculative_tokens: int | None = None
     service_class: ServiceClass = ServiceClass.CHAT
+    structured: StructuredSpec | None = None
 
 
 class RequestStatus(str, enum.Enum):

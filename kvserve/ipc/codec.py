@@ -22,6 +22,7 @@ import msgpack
 
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.service_class import ServiceClass
+from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.step import SampledToken, SeqUpdate
 from kvserve.sampling.params import SamplingParams
@@ -202,6 +203,8 @@ def to_wire(message) -> dict:
         body["prompt_token_ids"] = list(message.prompt_token_ids)
         if message.eos_token_ids is not None:
             body["eos_token_ids"] = sorted(message.eos_token_ids)
+        if message.structured is not None:
+            body["structured"] = message.structured.to_wire()
     return {"t": name, **body}
 
 
@@ -222,6 +225,8 @@ def from_wire(raw: Any):
                 raw["eos_token_ids"] = frozenset(raw["eos_token_ids"])
             if "service_class" in raw:
                 raw["service_class"] = ServiceClass(raw["service_class"])
+            if raw.get("structured") is not None:
+                raw["structured"] = StructuredSpec.from_wire(raw["structured"])
         return cls(**raw)
     except (TypeError, KeyError, ValueError) as exc:
         raise CodecError(f"malformed {cls.__name__}: {exc}") from exc
