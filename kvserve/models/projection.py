@@ -15,6 +15,13 @@ once, after the model reached its device and dtype:
   row counts of batched decode (30 gate/up matrices of 3072 x 576, 16 rows, one
   thread: 35.5 -> 25.8 ms; head 49152 x 576: 17.1 -> 12.3 ms), and each row's result
   is the same whatever the batch size. Narrower ones stream no faster that way.
+  oneDNN caches a compiled primitive per input shape (up to 1,024 of them, each with
+  its JIT code), so a server whose steps see every row count from 1 to the token budget
+  grows by hundreds of MiB over an hour (benchmarks/soak.json). ``onednn_rows`` keeps the
+  shapes few: a product of T rows runs as one of ``ONEDNN_ROW_CHUNK * k`` rows and one of
+  the remaining ``< ONEDNN_ROW_CHUNK``, so a weight sees at most ``ONEDNN_ROW_CHUNK +
+  T_max / ONEDNN_ROW_CHUNK`` shapes; since each row's result does not depend on the
+  rows beside it, the split changes no bit.
 
 - a quantised kernel (``use_kernel``, from ``kvserve.quant.transform``): int8 / int4
   weights multiplied by PyTorch's weight-only kernels; the float weight is dropped.
@@ -30,6 +37,22 @@ import torch.nn.functional as F
 from torch import nn
 
 ONEDNN_MIN_WIDTH = 2        # out / in ratio from which the oneDNN layout is chosen
+ONEDNN_ROW_CHUNK = 64       # row counts of oneDNN products: multiples of this, or fewer rows
+
+
+def _onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def bounded_rows(product, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``product(x, weight, bias)`` run as at most two products whose row counts come
+    from a bounded set (see the module docstring)."""
+    x = x.contiguous()
+    rows = x.shape[0]
+    bulk = rows - rows % ONEDNN_ROW_CHUNK
+    if bulk == 0 or bulk == rows:
+        return product(x, weight, bias)
+    return torch.cat((product(x[:bulk], weight, bias), product(x[bulk:], weight, bias)))
 
 
 class Projection(nn.Module):
@@ -90,8 +113,9 @@ class Projection(nn.Module):
         if self.layout == "in_out":
             return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
         if self.layout == "onednn":
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._onednn_weight, self.bias,
-                                                      "none", [], "")
+            return bounded_rows(_onednn_linear, x, self._onednn_weight, self.bias)
+        if x.device.type == "cpu" and x.dtype != torch.float32:     # oneDNN's matmul on CPU
+            return bounded_rows(F.linear, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -100,4 +124,11 @@ class Projection(nn.Module):
             return out.add_(self.forward(x))
         if self.bias is not None:
             out.add_(self.bias)
-        return out.addmm_(x, self.weight if self.layout == "in_out" else self.weight.t())
+        weight = self.weight if self.layout == "in_out" else self.weight.t()
+        if x.device.type != "cpu" or x.dtype == torch.float32:
+            return out.addmm_(x, weight)
+        bulk = x.shape[0] - x.shape[0] % ONEDNN_ROW_CHUNK      # oneDNN's matmul: bounded row counts
+        for rows in (slice(0, bulk), slice(bulk, x.shape[0])):
+            if rows.stop > rows.start:
+                out[rows].addmm_(x[rows], weight)
+        return out

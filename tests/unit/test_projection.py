@@ -61,3 +61,30 @@ def test_half_precision_keeps_the_checkpoint_layout():
     proj.to(torch.bfloat16)
     assert proj.pack(onednn=True) == "out_in"
     assert proj.weight.shape == weight.shape
+
+
+def test_onednn_products_run_on_a_bounded_set_of_row_counts(monkeypatch):
+    """oneDNN caches a primitive per shape: a product's row counts come from at most
+    ONEDNN_ROW_CHUNK + T / ONEDNN_ROW_CHUNK values, and the split changes no bit."""
+    from kvserve.models import projection as module
+    torch.manual_seed(3)
+    proj, _, _ = _projection(256, 32, True)
+    if proj.pack(onednn=True) != "onednn":
+        pytest.skip("this torch build has no oneDNN linear")
+    chunk = module.ONEDNN_ROW_CHUNK
+    x = torch.randn(5 * chunk + 7, 32)
+    unsplit = torch.ops.mkldnn._linear_pointwise(x, proj._onednn_weight, proj.bias, "none", [], "")
+    assert torch.equal(proj(x), unsplit)
+    seen: set[int] = set()
+    real = torch.ops.mkldnn._linear_pointwise
+
+    class Recorder:
+        @staticmethod
+        def _linear_pointwise(inp, *args):
+            seen.add(inp.shape[0])
+            return real(inp, *args)
+
+    monkeypatch.setattr(module.torch.ops, "mkldnn", Recorder)
+    for rows in range(1, 4 * chunk + 1):
+        assert proj(x[:rows]).shape == (rows, 256)
+    assert seen == set(range(1, chunk)) | {chunk * k for k in range(1, 5)}
