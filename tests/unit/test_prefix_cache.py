@@ -146,6 +146,20 @@ def test_locked_handles_and_grace_time_protect_blocks():
     w.check()
 
 
+def test_grace_protects_at_most_its_share_of_the_pool():
+    w = World(num_blocks=8)                            # max_protected_share 0.5: 4 blocks
+    assert w.cache.max_protected_blocks == 4
+    for name, tokens in (("a", toks(A, B)), ("b", toks(C, D)), ("c", toks(E, F))):
+        w.run(name, tokens, keep=True)
+        w.finish(name, grace_s=10.0)
+    assert w.cache.num_protected_blocks() == 6
+    assert w.cache.evict(16) == [1, 0]                 # the least recently used beyond the share
+    assert w.cache.num_protected_blocks() == 4
+    assert w.cache.evict(16) == []                     # within the share: grace holds
+    assert sorted(w.cache.evict(16, include_protected=True)) == [2, 3, 4, 5]
+    w.check()
+
+
 def test_lock_on_a_prefix_keeps_the_path_and_lets_children_go():
     w = World()
     w.run("long", toks(A, B, C, D))                    # [0 1 2 3]

@@ -14,7 +14,10 @@ References: the cache holds one reference on every block in the tree
 (``BlockPool.cache_blocks``). A caller that uses matched blocks takes its own references
 with ``BlockPool.share`` and keeps the handle locked while it does; ``evict`` only
 removes least-recently-used *unlocked* leaves (tail block first) whose grace time has
-passed, so blocks of running requests and of live turns stay.
+passed, so blocks of running requests and of live turns stay. Grace protection may hold
+at most ``max_protected_share`` of the pool: when more is protected and a caller needs
+blocks, the least recently used protected blocks beyond that share become evictable (a
+small pool under load would otherwise fill with finished requests' graces and starve).
 """
 from __future__ import annotations
 
@@ -92,8 +95,9 @@ class PrefixCache:
     """Radix tree of full KV blocks, namespaced, with locked handles and LRU eviction."""
 
     def __init__(self, block_pool: BlockPool, clock: Callable[[], float] = time.monotonic,
-                 max_pending_events: int = 4096):
+                 max_pending_events: int = 4096, max_protected_share: float = 0.5):
         self.block_pool = block_pool
+        self.max_protected_blocks = int(block_pool.num_blocks * max_protected_share)
         self.block_size = block_pool.block_size
         self._clock = clock
         self._roots: dict[CacheNamespace, _Node] = {}
@@ -245,9 +249,27 @@ class PrefixCache:
         unlocked leaves first, each leaf from its last block backwards. Returns the block
         ids dropped, in order (a block a sequence still shares does not become free).
         Blocks within their grace time are kept unless ``include_protected`` (the
-        scheduler's last resort when nothing else could ever make progress)."""
-        now = float("inf") if include_protected else self._clock()
-        return self._evict(num_blocks, now, lambda node: True)
+        scheduler's last resort when nothing else could ever make progress), except the
+        protected blocks beyond ``max_protected_blocks``."""
+        if include_protected:
+            return self._evict(num_blocks, float("inf"), lambda node: True)
+        now = self._clock()
+        dropped = self._evict(num_blocks, now, lambda node: True)
+        excess = self.num_protected_blocks(now) - self.max_protected_blocks
+        if len(dropped) < num_blocks and excess > 0:
+            dropped += self._evict(min(num_blocks - len(dropped), excess), float("inf"), lambda node: True)
+        return dropped
+
+    def num_protected_blocks(self, now: float | None = None) -> int:
+        """Blocks that only grace time keeps: unlocked, protected until after ``now``."""
+        now = self._clock() if now is None else now
+        count, stack = 0, list(self._roots.values())
+        while stack:
+            node = stack.pop()
+            stack.extend(node.children.values())
+            if not node.is_root and node.lock_count == 0 and node.protected_until > now:
+                count += len(node.block_ids)
+        return count
 
     def evict_namespaces(self, predicate: Callable[[CacheNamespace], bool]) -> list[int]:
         """Drop every unlocked block of the namespaces ``predicate`` selects (e.g. older
