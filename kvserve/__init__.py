@@ -3,7 +3,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["LLM", "LoRARequest", "SamplingParams", "__version__"]
+__all__ = ["LLM", "LoRARequest", "SamplingParams", "StructuredKind", "StructuredSpec", "__version__"]
 
 
 def __getattr__(name: str):
@@ -17,4 +17,7 @@ def __getattr__(name: str):
     if name == "SamplingParams":
         from kvserve.sampling.params import SamplingParams
         return SamplingParams
+    if name in ("StructuredKind", "StructuredSpec"):
+        from kvserve.engine import structured_spec
+        return getattr(structured_spec, name)
     raise AttributeError(name)

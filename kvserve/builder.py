@@ -79,6 +79,19 @@ def build_policy(resolved, step_time: LinearTimeModel):
     return policy
 
 
+def build_constraints(model_path: str, vocab_size: int):
+    """Structured output: a ``ConstraintTracker`` over the xgrammar backend for the model's
+    vocabulary (read from its tokenizer), or ``NullConstraints`` when xgrammar is missing."""
+    from kvserve.engine.constraint import ConstraintTracker, NullConstraints
+    try:
+        from kvserve.structured import build_constraint_backend
+    except ImportError as exc:
+        logger.warning("structured output off: %s", exc)
+        return NullConstraints()
+    from kvserve.tokenizer import Tokenizer
+    return ConstraintTracker(build_constraint_backend(Tokenizer.load(model_path), vocab_size))
+
+
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again."""
     from kvserve.attention import get_backend
@@ -118,10 +131,12 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     sampler = Sampler(seed=resolved.seed)
     verifier = Verifier(sampler, resolved.seed, device) if spec else None
     backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
-    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch)
+    constraints = build_constraints(config.model, mc.vocab_size)
+    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch,
+                         constraints)
     speculator = None
     if spec:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
                               resolved.attention_backend, device, dtype, resolved.seed, draft)
         speculator = build_speculator(spec, ctx, verifier, step_time)
-    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters, step_time)
+    return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters, step_time, constraints)

@@ -16,6 +16,7 @@ from kvserve.config import ModelConfig
 from kvserve.engine.adapter_catalog import AdapterCatalog
 from kvserve.engine.admission import EngineLimits, check_context, check_grace_s, check_logit_bias, check_token_ids
 from kvserve.engine.config import ResolvedConfig
+from kvserve.engine.constraint import NullConstraints
 from kvserve.engine.fair_share import tenant_served_tokens
 from kvserve.engine.kv.cache_events import CacheEvent
 from kvserve.engine.kv.manager import KVCacheManager
@@ -35,7 +36,8 @@ class EngineCore:
 
     def __init__(self, config: ResolvedConfig, model_config: ModelConfig, kv_plan: KVCachePlan,
                  scheduler: Scheduler, runner, speculator: Speculator | None = None,
-                 adapters: AdapterCatalog | None = None, step_time: LinearTimeModel | None = None):
+                 adapters: AdapterCatalog | None = None, step_time: LinearTimeModel | None = None,
+                 constraints=None):
         self.config = config
         self.model_config = model_config
         self.max_model_len = config.max_model_len
@@ -50,6 +52,8 @@ class EngineCore:
                                    kv_plan.num_blocks, kv_plan.max_tokens)
         self.num_steps = 0
         self._last_plan_empty = False
+        # structured output: compiles (and so checks) a request's constraint; the runner masks
+        self.constraints = constraints or NullConstraints()
 
     @property
     def block_pool(self):
@@ -103,6 +107,8 @@ class EngineCore:
         check_logit_bias(request.params.logit_bias, self.limits.vocab_size)
         check_context(len(request.prompt_token_ids), request.params.max_tokens, self.limits)
         check_grace_s(request.prefix_cache_grace_s)
+        if request.structured is not None:
+            self.constraints.validate(request.structured)     # compiles it (cached) or names the field
         return key
 
     def abort_request(self, request_id: str) -> list[SeqUpdate]:

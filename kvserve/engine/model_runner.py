@@ -3,7 +3,9 @@
 Owns the model, the KV cache tensor and the sampler. Never mutates scheduler
 state: everything it needs arrives in the plan as ints and lists. A ``BatchContext``
 (LoRA segments) orders the plan's sequences and brackets each forward with the
-metadata the model's projection transforms read.
+metadata the model's projection transforms read. Structured output: the injected
+constraints (``engine/constraint.py``) give grammar masks for the constrained sampling
+rows, computed before the forward; the sampler applies them to those rows only.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ import torch
 
 from kvserve.attention import AttentionMetadata, DecodeGroup, PrefillChunk
 from kvserve.engine.batch_context import BatchContext, PlainBatch
+from kvserve.engine.constraint import ConstraintMasks, NullConstraints
 from kvserve.engine.decode_groups import decode_groups
 from kvserve.engine.lookahead import LookaheadGroup, Verifier
 from kvserve.engine.step import SampledToken, ScheduledSeq, StepPlan, StepResult
@@ -24,7 +27,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
                  device: torch.device, sampler: Sampler | None = None, verifier: Verifier | None = None,
-                 batch_context: BatchContext | None = None):
+                 batch_context: BatchContext | None = None, constraints=None):
         self.model = model
         self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
         self.backend = backend
@@ -33,6 +36,7 @@ class ModelRunner:
         self.sampler = sampler or Sampler()
         self.verifier = verifier           # settles lookahead tokens (None: plans never carry any)
         self.batch_context = batch_context or PlainBatch()
+        self.constraints = constraints or NullConstraints()   # grammar masks (structured output)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -44,12 +48,13 @@ class ModelRunner:
             return StepResult()
         items = self.batch_context.order(plan.scheduled)
         to_sample = [s for s in items if s.sample]
+        masks = self.constraints.masks(to_sample, self.device)    # before the forward: host work only
         hidden, sample_rows = self._forward(items)
         prompt_lps = self._prompt_logprobs(items, hidden)
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
         logits = self.model.compute_logits(hidden[sample_rows])                   # [rows, vocab]
-        rows, groups = self._sampling_rows(to_sample)
+        rows, groups = self._sampling_rows(to_sample, masks)
         if groups:
             samples, accepted, final = self.verifier(logits, rows, groups)
         else:
@@ -64,9 +69,11 @@ class ModelRunner:
                           forward_time_s=time.perf_counter() - started)
 
     @staticmethod
-    def _sampling_rows(to_sample) -> tuple[list[SamplingRow], list[LookaheadGroup]]:
+    def _sampling_rows(to_sample, masks: ConstraintMasks | None = None
+                       ) -> tuple[list[SamplingRow], list[LookaheadGroup]]:
         """One row per sampled position: the token after the last real one, then the token
-        after each lookahead token (penalties see the earlier lookahead tokens as output)."""
+        after each lookahead token (penalties see the earlier lookahead tokens as output);
+        constrained rows carry their grammar mask."""
         rows, groups = [], []
         for s in to_sample:
             if s.lookahead_token_ids:
@@ -76,6 +83,9 @@ class ModelRunner:
                 rows.append(SamplingRow(params=s.params, prompt_token_ids=s.prompt_token_ids,
                                         output_token_ids=output, eos_token_ids=s.eos_token_ids,
                                         seed_offset=s.sibling_index))
+        if masks is not None:
+            for i, row in enumerate(masks.rows):
+                rows[row].allowed = masks.allowed[i]
         return rows, groups
 
     def forward_logits(self, plan: StepPlan) -> torch.Tensor | None:

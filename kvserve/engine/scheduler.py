@@ -118,7 +118,8 @@ class Scheduler:
                             priority=request.priority, arrival_index=arrival, cache_namespace=namespace,
                             cache_grace_s=request.prefix_cache_grace_s,
                             max_lookahead_tokens=request.num_speculative_tokens, adapter_key=adapter_key,
-                            service_class=request.service_class, tenant=request.tenant, arrival_time=now)
+                            service_class=request.service_class, tenant=request.tenant, arrival_time=now,
+                            structured=request.structured)
 
         leader = make(0)
         leader.pending_fork = [make(i) for i in range(1, params.n)]
@@ -305,7 +306,7 @@ class Scheduler:
             params=seq.params, prompt_token_ids=seq.prompt_token_ids,
             output_token_ids=seq.output_token_ids, eos_token_ids=seq.eos_token_ids,
             sibling_index=seq.sibling_index, adapter_key=seq.adapter_key,
-            want_prompt_logprobs=wants_prompt_logprobs(seq, start, num_new),
+            want_prompt_logprobs=wants_prompt_logprobs(seq, start, num_new), structured=seq.structured,
             lookahead_limit=self._lookahead_limit(seq, num_new, sample))
 
     def _lookahead_limit(self, seq: Sequence, num_new: int, sample: bool) -> int:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.kv.prefix_cache import PrefixHandle
 from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.engine.service_class import ServiceClass
+from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.sampling.params import SamplingParams
 
 
@@ -79,6 +80,8 @@ class Sequence:
     tenant: str | None = None
     arrival_time: float = 0.0
     num_steps_passed_over: int = 0
+    # Structured output: the constraint its output must match (None = unconstrained).
+    structured: StructuredSpec | None = None
 
     @property
     def num_tokens(self) -> int:

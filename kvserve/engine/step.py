@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.sampling.params import SamplingParams
 
 
@@ -37,6 +38,8 @@ class ScheduledSeq:
     # prompt_logprobs: also return the logprob of each prompt token this chunk predicts
     # (the token after each position, while it is still a prompt token).
     want_prompt_logprobs: bool = False
+    # Structured output: the runner masks this sequence's sampling rows to the spec's grammar.
+    structured: StructuredSpec | None = None
 
     @property
     def num_tokens(self) -> int:

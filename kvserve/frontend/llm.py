@@ -9,6 +9,7 @@ from typing import Any, Sequence
 from kvserve.engine.config import EngineConfig
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.service_class import ServiceClass, parse_class
+from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.errors import InvalidRequestError
 from kvserve.frontend.lora_request import LoRARequest
 from kvserve.frontend.output_processor import OutputProcessor
@@ -93,7 +94,8 @@ class LLM:
                  num_speculative_tokens: int | None = None,
                  lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
                  service_class: str | Sequence[str] = "chat",
-                 tenant: str | None | Sequence[str | None] = None) -> list[RequestOutput]:
+                 tenant: str | None | Sequence[str | None] = None,
+                 structured: StructuredSpec | Sequence[StructuredSpec | None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (continuous batching); outputs in prompt order.
 
         ``lora_request``: one adapter for every prompt, or one (or None) per prompt; a
@@ -108,7 +110,10 @@ class LLM:
         or "batch" (or an OpenAI service tier), for every prompt or one per prompt; it
         changes when tokens come, never which. ``tenant``: who the requests are for (one
         name for every prompt or one per prompt): with ``fair_share=True`` tenants share a
-        saturated engine by weighted tokens served (docs/fairness.md).
+        saturated engine by weighted tokens served (docs/fairness.md). ``structured``: a
+        ``StructuredSpec`` (JSON schema, JSON object, regex, choice or EBNF grammar) every
+        output must match, for every prompt or one (or None) per prompt
+        (docs/structured_output.md).
         """
         prompt_list = self._as_prompt_list(prompts)
         if sampling_params is None:
@@ -120,6 +125,9 @@ class LLM:
         adapter_names = self._adapter_names(lora_request, adapter_id, len(prompt_list))
         classes = self._service_classes(service_class, len(prompt_list))
         tenants = self._tenants(tenant, len(prompt_list))
+        specs = (list(structured) if isinstance(structured, (list, tuple)) else [structured] * len(prompt_list))
+        if len(specs) != len(prompt_list):
+            raise InvalidRequestError("need one structured spec (or None) per prompt", param="structured")
         requests = []
         for i, (prompt, params) in enumerate(zip(prompt_list, params_list)):
             text, token_ids = self.encode_prompt(prompt)
@@ -129,7 +137,7 @@ class LLM:
                                     adapter_id=adapter_names[i], use_prefix_cache=use_prefix_cache,
                                     prefix_cache_grace_s=prefix_cache_grace_s,
                                     num_speculative_tokens=num_speculative_tokens,
-                                    service_class=classes[i], tenant=tenants[i])
+                                    service_class=classes[i], tenant=tenants[i], structured=specs[i])
             requests.append((text, request))
         for _text, request in requests:
             self.engine.validate_request(request)      # all or nothing

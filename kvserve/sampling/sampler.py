@@ -43,7 +43,8 @@ class SamplingRow:
     (with ``params.stop_token_ids``) are masked to -inf while fewer than
     ``params.min_tokens`` tokens exist; ``ignore_eos`` only affects stopping, which
     is the scheduler's job. ``seed_offset`` tells the ``n > 1`` siblings of one
-    request apart (the sibling index).
+    request apart (the sibling index). ``allowed`` (structured output) is a bool ``[V]``
+    tensor of the tokens the row's grammar allows next; None = every token.
     """
 
     params: SamplingParams
@@ -51,6 +52,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]
     eos_token_ids: frozenset[int]
     seed_offset: int = 0
+    allowed: torch.Tensor | None = None
 
 
 @dataclass
@@ -177,8 +179,31 @@ def apply_min_tokens_mask(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> 
     return out
 
 
+def apply_grammar_masks(logits: torch.Tensor, fallback: torch.Tensor,
+                        rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Set the tokens a row's grammar forbids (``row.allowed`` False) to -inf, on the rows
+    that have a mask only (one batched ``masked_fill`` over them; the rest untouched).
+
+    A masked row left with no finite logit (``min_tokens`` or a bias removed every token the
+    grammar allows, say EOS where only EOS may come) takes the grammar mask over ``fallback``
+    instead: the grammar always wins. Returns ``logits`` itself when no row has a mask.
+    """
+    idx = [i for i, r in enumerate(rows) if r.allowed is not None]
+    if not idx:
+        return logits
+    allowed = torch.stack([rows[i].allowed for i in idx]).to(logits.device)     # [C, V]
+    masked = logits[idx].masked_fill(~allowed, _NEG_INF)
+    dead = torch.isneginf(masked.amax(dim=-1))
+    if bool(dead.any()):
+        masked[dead] = fallback[idx][dead].masked_fill(~allowed[dead], _NEG_INF)
+    out = logits.clone()
+    out[idx] = masked
+    return out
+
+
 def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
-    """The temperature-independent step: ``logit_bias``, penalties, then the ``min_tokens`` mask.
+    """The temperature-independent step: ``logit_bias``, penalties, the ``min_tokens`` mask,
+    then the structured-output grammar mask (``apply_grammar_masks``).
 
     The bias comes first (vLLM's order): the repetition penalty then scales the biased
     logit, presence/frequency penalties add to it, and the ``min_tokens`` mask (-inf)
@@ -193,7 +218,7 @@ def process_logits(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.T
         dead = torch.isneginf(out.amax(dim=-1))                            # [B]
         if bool(dead.any()):
             out[dead] = biased[dead]
-    return out
+    return apply_grammar_masks(out, biased, rows)
 
 
 def apply_temperature(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
