@@ -9,7 +9,6 @@ SamplingParams.validate then applies the sampling rules.
 """
 from __future__ import annotations
 
-import json
 import math
 import re
 from dataclasses import dataclass, field
@@ -17,7 +16,16 @@ from typing import Any, Callable
 
 from kvserve.engine.service_class import SERVICE_TIERS, ServiceClass, class_for_tier
 from kvserve.errors import InvalidRequestError
+from kvserve.server.checkers import check_messages, check_metadata, check_store
+from kvserve.server.checkers import bad as _bad
+from kvserve.server.checkers import described as _described
+from kvserve.server.checkers import nullable as _nullable
+from kvserve.server.checkers import show as _show
 from kvserve.sampling.params import MAX_ABS_LOGIT_BIAS, MAX_LOGIT_BIAS, MAX_LOGPROBS, SamplingParams
+from kvserve.engine.structured_spec import StructuredSpec
+from kvserve.server.response_format import guided_checker, response_format_spec, structured_from, structured_outputs_spec
+from kvserve.server.tools import (ToolConfig, check_tool_choice, check_tool_messages, check_tools, output_constraint,
+                                  tool_config)
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 MAX_PROMPTS = 32            # prompts in one completions request
@@ -25,8 +33,8 @@ MAX_CHOICES = 64            # prompts x n
 MAX_USER_CHARS = 256
 MAX_DEADLINE_S = 3600.0
 MAX_PRIORITY = 1_000_000
-_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,18}")    # a logit_bias key: a token id in decimal
-MAX_JSON_DEPTH = 64
+TOKEN_ID_KEY_PATTERN = "^(0|[1-9][0-9]{0,17})$"      # a logit_bias key: a token id in decimal (< 10**18)
+_TOKEN_ID_KEY = re.compile(TOKEN_ID_KEY_PATTERN)
 
 
 @dataclass
@@ -53,80 +61,35 @@ class GenerateSpec:
     suffix: str | None = None                   # completions: fill in the middle (text prompts only)
     logprobs: int | None = None                 # completions: top-k; chat: top_logprobs when logprobs
     user: str | None = None
+    safety_identifier: str | None = None        # OpenAI's successor of user: an end-user id, logged like it
+    prompt_cache_key: str | None = None         # the caller's prefix-cache session key (a routing hint; the
+                                                # cache namespace stays the tenant's salt, see server/auth.py)
     deadline_s: float | None = None
     priority: int = 0
     use_prefix_cache: bool = True               # vLLM-style extension: false opts out of the prefix cache
     num_speculative_tokens: int | None = None   # extension: most drafts per step (0 = off; None = server's)
     service_class: ServiceClass | None = None   # asked for with service_tier; None = not asked (key's pin or chat)
+    tools: ToolConfig | None = None             # chat: tool calling (None: none; see server/tools.py)
+    structured: StructuredSpec | None = None    # the output constraint (response_format, guided_*; see
+                                                # server/response_format.py); a forced tool call sets its own
 
-
-# ------------------------------------------------------------------ JSON body
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")    # the only way JSON text can spell one
-
-
-def _reject_constant(name: str):
-    raise ValueError(f"{name} is not valid JSON")
-
-
-def _depth(value: Any, limit: int) -> int:
-    """Nesting depth of ``value``; stops counting past ``limit``."""
-    stack, deepest = [(value, 1)], 0
-    while stack:
-        item, depth = stack.pop()
-        deepest = max(deepest, depth)
-        if depth > limit:
-            return depth
-        if isinstance(item, dict):
-            stack.extend((v, depth + 1) for v in item.values())
-        elif isinstance(item, list):
-            stack.extend((v, depth + 1) for v in item)
-    return deepest
-
-
-def parse_json_body(body: bytes) -> dict:
-    """Decode a request body: UTF-8, strict JSON (no NaN/Infinity), an object, bounded depth."""
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidRequestError(f"the body is not valid UTF-8: {exc.reason} at byte {exc.start}",
-                                  code="invalid_encoding") from exc
-    try:
-        value = json.loads(text, parse_constant=_reject_constant)
-    except RecursionError as exc:
-        raise InvalidRequestError("the JSON body is nested too deeply", code="invalid_json") from exc
-    except ValueError as exc:
-        raise InvalidRequestError(f"the body is not valid JSON: {exc}", code="invalid_json") from exc
-    if not isinstance(value, dict):
-        raise InvalidRequestError("the JSON body must be an object", code="invalid_json")
-    if _depth(value, MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
-        raise InvalidRequestError(f"the JSON body is nested deeper than {MAX_JSON_DEPTH}", code="invalid_json")
-    if _SURROGATE_ESCAPE.search(text) and _has_lone_surrogate(value):     # the walk only when escaped
-        raise InvalidRequestError("the body holds a lone UTF-16 surrogate escape (such as \\ud800), which "
-                                  "is not a Unicode character", code="invalid_encoding")
-    return value
-
-
-def _has_lone_surrogate(value: Any) -> bool:
-    """True if a string or key anywhere in ``value`` holds an unpaired surrogate (JSON's
-    ``\\ud800`` escapes decode to one; no tokenizer or encoder downstream accepts it)."""
-    stack = [value]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, str):
-            if _SURROGATE.search(item):
-                return True
-        elif isinstance(item, dict):
-            stack.extend(item.keys())
-            stack.extend(item.values())
-        elif isinstance(item, list):
-            stack.extend(item)
-    return False
+    def __post_init__(self):
+        """A forced tool call (tool_choice "required" or named) is decoded under its JSON schema."""
+        if self.tools is not None and self.tools.constrained:
+            self.structured = output_constraint(self.tools)
 
 
 # -------------------------------------------------------------------- checkers
-def _bad(param: str, message: str) -> InvalidRequestError:
-    return InvalidRequestError(message, param=param)
+# Every checker carries ``schema``: the JSON Schema of the values it accepts, from which
+# server/openapi.py builds /openapi.json (tests/unit/test_conformance.py checks they agree).
+TOKEN_ID_SCHEMA = {"type": "integer", "minimum": 0, "maximum": INT64_MAX}
+
+
+def _is_token_id(value: Any) -> bool:
+    """A non-negative 64-bit integer (an integral float counts, as JSON does not tell them apart)."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= INT64_MAX
 
 
 def _int(lo: int = INT64_MIN, hi: int = INT64_MAX, nullable: bool = True) -> Callable:
@@ -138,7 +101,8 @@ def _int(lo: int = INT64_MIN, hi: int = INT64_MAX, nullable: bool = True) -> Cal
         if not isinstance(value, int) or isinstance(value, bool) or not lo <= value <= hi:
             raise _bad(name, f"{name} must be an integer in [{lo}, {hi}], got {_show(value)}")
         return value
-    return check
+    schema = {"type": "integer", "minimum": lo, "maximum": hi}
+    return _described(_nullable(schema) if nullable else schema)(check)
 
 
 def _number(lo: float = -math.inf, hi: float = math.inf, open_lo: bool = False) -> Callable:
@@ -152,9 +116,15 @@ def _number(lo: float = -math.inf, hi: float = math.inf, open_lo: bool = False) 
             bracket = "(" if open_lo else "["
             raise _bad(name, f"{name} must be a number in {bracket}{lo:g}, {hi:g}], got {_show(value)}")
         return float(value) if isinstance(value, float) else value
-    return check
+    schema: dict = {"type": "number"}
+    if math.isfinite(lo):
+        schema["exclusiveMinimum" if open_lo else "minimum"] = lo
+    if math.isfinite(hi):
+        schema["maximum"] = hi
+    return _described(_nullable(schema))(check)
 
 
+@_described(_nullable({"type": "boolean"}))
 def _bool(name: str, value: Any) -> Any:
     if value is not None and not isinstance(value, bool):
         raise _bad(name, f"{name} must be a boolean, got {_show(value)}")
@@ -166,9 +136,10 @@ def _string(max_chars: int) -> Callable:
         if value is not None and (not isinstance(value, str) or len(value) > max_chars):
             raise _bad(name, f"{name} must be a string of at most {max_chars} characters")
         return value
-    return check
+    return _described(_nullable({"type": "string", "maxLength": max_chars}))(check)
 
 
+@_described({"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}}, {"type": "null"}]})
 def _stop(name: str, value: Any) -> Any:
     if value is None or isinstance(value, str):
         return None if value is None or value == "" else [value]
@@ -177,13 +148,13 @@ def _stop(name: str, value: Any) -> Any:
     raise _bad(name, "stop must be a string, a list of strings or null")
 
 
+@_described(_nullable({"type": "array", "items": TOKEN_ID_SCHEMA}))
 def _token_list(name: str, value: Any) -> Any:
     if value is None:
         return None
-    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool)
-                                              and 0 <= t <= INT64_MAX for t in value):
+    if not isinstance(value, list) or not all(_is_token_id(t) for t in value):
         raise _bad(name, f"{name} must be a list of non-negative integers")
-    return value
+    return [int(t) for t in value]
 
 
 def _only_null(what: str) -> Callable:
@@ -191,9 +162,10 @@ def _only_null(what: str) -> Callable:
         if value is not None:
             raise _bad(name, f"{name} is not supported by this server ({what})")
         return None
-    return check
+    return _described({"type": "null"})(check)
 
 
+@_described({"enum": [*sorted(SERVICE_TIERS), None]})
 def _service_tier(name: str, value: Any) -> Any:
     """OpenAI's service_tier -> the ServiceClass it names (null: not asked)."""
     if value is None:
@@ -204,17 +176,22 @@ def _service_tier(name: str, value: Any) -> Any:
     return class_for_tier(value)
 
 
+@_described(_nullable({"type": "string"}))
 def _suffix(name: str, value: Any) -> Any:
     if value is not None and not isinstance(value, str):
         raise _bad(name, f"suffix must be a string or null, got {_show(value)}")
     return value
 
 
+@_described(_nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                        "propertyNames": {"pattern": TOKEN_ID_KEY_PATTERN},
+                        "additionalProperties": {"type": "number", "minimum": -MAX_ABS_LOGIT_BIAS,
+                                                 "maximum": MAX_ABS_LOGIT_BIAS}}))
 def _logit_bias(name: str, value: Any) -> Any:
     """OpenAI's logit_bias: {"<token id>": bias in [-100, 100]} -> {int id: float bias}.
 
     At most MAX_LOGIT_BIAS entries; keys are token ids written as decimal integers
-    (no sign, no leading zeros). Ids beyond the vocabulary are refused by the engine's
+    (no sign, no leading zeros, below 10**18). Ids beyond the vocabulary are refused by the engine's
     rule (checked before the request is submitted, see serving.prepare_prompts)."""
     if value is None:
         return None
@@ -224,7 +201,7 @@ def _logit_bias(name: str, value: Any) -> Any:
         raise _bad(name, f"logit_bias accepts at most {MAX_LOGIT_BIAS} entries, got {len(value)}")
     bias: dict[int, float] = {}
     for key, v in value.items():
-        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key) or int(key) > INT64_MAX:
+        if not isinstance(key, str) or not _TOKEN_ID_KEY.fullmatch(key):
             raise _bad(name, f"logit_bias keys must be token ids written as decimal integers, got {_show(key)}")
         if (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)
                 or not -MAX_ABS_LOGIT_BIAS <= v <= MAX_ABS_LOGIT_BIAS):
@@ -234,6 +211,8 @@ def _logit_bias(name: str, value: Any) -> Any:
     return bias or None
 
 
+@_described(_nullable({"type": "object", "properties": {"include_usage": _nullable({"type": "boolean"})},
+                        "additionalProperties": False}))
 def _stream_options(name: str, value: Any) -> Any:
     if value is None:
         return None
@@ -242,27 +221,41 @@ def _stream_options(name: str, value: Any) -> Any:
     return {"include_usage": _bool("stream_options.include_usage", value.get("include_usage"))}
 
 
+_JSON_SCHEMA_ANY = {"type": "object"}
+_RESPONSE_FORMAT_SCHEMA = {"type": "object", "required": ["type"], "additionalProperties": False, "properties": {
+    "type": {"enum": ["text", "json_object", "json_schema"]},
+    "json_schema": {"type": "object", "required": ["schema"], "additionalProperties": False, "properties": {
+        "name": {"type": "string"}, "description": {"type": "string"}, "schema": _JSON_SCHEMA_ANY,
+        "strict": _nullable({"type": "boolean"})}}}}
+
+
+@_described(_nullable(_RESPONSE_FORMAT_SCHEMA))
 def _response_format(name: str, value: Any) -> Any:
-    if value is None or value == {"type": "text"}:
-        return None
-    raise _bad(name, 'response_format: only {"type": "text"} is supported')
+    """text (None), json_object or json_schema -> a StructuredSpec (server/response_format.py)."""
+    return response_format_spec(name, value)
 
 
-def _tools(name: str, value: Any) -> Any:
-    if value is None or value == []:
-        return None
-    raise _bad(name, f"{name}: tool calling is not supported")
+_guided_json = _described(_nullable({"anyOf": [_JSON_SCHEMA_ANY, {"type": "string"}]}))(guided_checker("guided_json"))
+_guided_regex = _described(_nullable({"type": "string", "minLength": 1}))(guided_checker("guided_regex"))
+_guided_choice = _described(_nullable({"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1}))(
+    guided_checker("guided_choice"))
+_guided_grammar = _described(_nullable({"type": "string"}))(guided_checker("guided_grammar"))
+_structured_outputs = _described(_nullable({"type": "object", "additionalProperties": False, "properties": {
+    "json": _nullable({"anyOf": [_JSON_SCHEMA_ANY, {"type": "string"}]}), "regex": _nullable({"type": "string"}),
+    "choice": _nullable({"type": "array", "items": {"type": "string"}}),
+    "grammar": _nullable({"type": "string"})}}))(structured_outputs_spec)
 
 
-def _tool_choice(name: str, value: Any) -> Any:
-    if value is None or value == "none":
-        return None
-    raise _bad(name, "tool_choice: only \"none\" is supported (tool calling is not supported)")
+_PROMPT_LIST = {"type": "array", "minItems": 1, "maxItems": MAX_PROMPTS}
+_TOKEN_IDS = {"type": "array", "minItems": 1, "items": TOKEN_ID_SCHEMA}
 
 
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."
+@_described({"anyOf": [{"type": "string"}, {**_PROMPT_LIST, "items": {"type": "string"}}, _TOKEN_IDS,
+                       {**_PROMPT_LIST, "items": _TOKEN_IDS}]})
+def _prompt(name: str, value: Any) -> Any:
+    """prompt, checked in place (``_completion_prompts``); parse_completion reads it again."""
+    _completion_prompts(value)
+    return value
 
 
 COMMON_FIELDS: dict[str, Callable] = {
@@ -292,12 +285,19 @@ COMMON_FIELDS: dict[str, Callable] = {
     "use_prefix_cache": _bool,
     "num_speculative_tokens": _int(0, 16),
     "service_tier": _service_tier,
-    "metadata": _only_null("metadata storage"),
-    "store": _only_null("storing completions"),
+    "metadata": check_metadata,
+    "store": check_store,
+    "safety_identifier": _string(MAX_USER_CHARS),
+    "prompt_cache_key": _string(MAX_USER_CHARS),
+    "guided_json": _guided_json,                  # vLLM's structured-output extensions
+    "guided_regex": _guided_regex,
+    "guided_choice": _guided_choice,
+    "guided_grammar": _guided_grammar,
+    "structured_outputs": _structured_outputs,
 }
 COMPLETION_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS,
-    "prompt": lambda name, value: value,          # checked by _completion_prompts
+    "prompt": _prompt,
     "echo": _bool,
     "logprobs": _int(0, MAX_LOGPROBS),
     "best_of": _int(1, INT64_MAX),
@@ -305,16 +305,16 @@ COMPLETION_FIELDS: dict[str, Callable] = {
 }
 CHAT_FIELDS: dict[str, Callable] = {
     **COMMON_FIELDS,
-    "messages": lambda name, value: value,        # checked by the chat template renderer
+    "messages": check_messages,                   # roles here; content by the chat template renderer
     "max_completion_tokens": _int(1, INT64_MAX),
     "logprobs": _bool,
     "top_logprobs": _int(0, MAX_LOGPROBS),
     "response_format": _response_format,
-    "tools": _tools,
-    "functions": _tools,
-    "tool_choice": _tool_choice,
-    "function_call": _tool_choice,
-    "parallel_tool_calls": _only_null("tool calling"),
+    "tools": check_tools,                         # tool calling: kvserve/server/tools.py
+    "tool_choice": check_tool_choice,
+    "parallel_tool_calls": _bool,
+    "functions": _only_null("legacy function calling: send tools"),
+    "function_call": _only_null("legacy function calling: send tool_choice"),
     "modalities": _only_null("output modalities"),
     "audio": _only_null("audio output"),
     "prediction": _only_null("predicted outputs"),
@@ -354,17 +354,16 @@ def _stream_flags(values: dict) -> tuple[bool, bool]:
 def _completion_prompts(value: Any) -> list[Prompt]:
     """prompt: a string, a list of strings, a list of token ids or a list of token-id lists."""
     def is_ids(item: Any) -> bool:
-        return isinstance(item, list) and bool(item) and all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= INT64_MAX for t in item)
+        return isinstance(item, list) and bool(item) and all(_is_token_id(t) for t in item)
 
     if isinstance(value, str):
         prompts = [Prompt(text=value)]
     elif is_ids(value):
-        prompts = [Prompt(token_ids=list(value))]
+        prompts = [Prompt(token_ids=[int(t) for t in value])]
     elif isinstance(value, list) and value and all(isinstance(p, str) for p in value):
         prompts = [Prompt(text=p) for p in value]
     elif isinstance(value, list) and value and all(is_ids(p) for p in value):
-        prompts = [Prompt(token_ids=list(p)) for p in value]
+        prompts = [Prompt(token_ids=[int(t) for t in p]) for p in value]
     else:
         raise _bad("prompt", "prompt must be a string, a non-empty list of strings, a non-empty list of "
                              "token ids or a list of such lists")
@@ -412,10 +411,12 @@ def parse_completion(body: dict) -> GenerateSpec:
                         stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
                         suffix=values.get("suffix"),
                         logprobs=values.get("logprobs"), user=values.get("user"),
+                        safety_identifier=values.get("safety_identifier"),
+                        prompt_cache_key=values.get("prompt_cache_key"),
                         deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
                         num_speculative_tokens=values.get("num_speculative_tokens"),
-                        service_class=values.get("service_tier"))
+                        service_class=values.get("service_tier"), structured=structured_from(values))
 
 
 def _chat_max_tokens(values: dict) -> tuple[int | None, str]:
@@ -441,21 +442,30 @@ def parse_chat(body: dict) -> GenerateSpec:
     params = _sampling_params(values, max_tokens, logprobs)
     _check_choices(1, params.n)
     stream, include_usage = _stream_flags(values)
-    return GenerateSpec(kind="chat", model=values.get("model"), params=params, messages=messages,
+    tools = tool_config(values)
+    check_tool_messages(messages)
+    return GenerateSpec(kind="chat", tools=tools, model=values.get("model"), params=params, messages=messages,
                         max_tokens_param=max_param, stream=stream, include_usage=include_usage,
                         logprobs=logprobs, user=values.get("user"), deadline_s=values.get("deadline_s"),
+                        safety_identifier=values.get("safety_identifier"),
+                        prompt_cache_key=values.get("prompt_cache_key"),
                         priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
                         num_speculative_tokens=values.get("num_speculative_tokens"),
-                        service_class=values.get("service_tier"))
+                        service_class=values.get("service_tier"), structured=structured_from(values))
+
+
+TOKENIZE_FIELDS: dict[str, Callable] = {
+    "model": _string(256), "prompt": _string(2**24), "messages": check_messages,
+    "add_special_tokens": _bool, "add_generation_prompt": _bool,
+}
+DETOKENIZE_FIELDS: dict[str, Callable] = {"model": _string(256), "tokens": _token_list}
 
 
 def parse_tokenize(body: dict) -> dict:
     """/tokenize: {"prompt": str} or {"messages": [...]}, optional model, add_special_tokens,
     add_generation_prompt."""
-    table = {"model": _string(256), "prompt": _string(2**24), "messages": lambda n, v: v,
-             "add_special_tokens": _bool, "add_generation_prompt": _bool}
-    values = check_fields(body, table)
+    values = check_fields(body, TOKENIZE_FIELDS)
     if (values.get("prompt") is None) == (values.get("messages") is None):
         raise _bad("prompt", "send exactly one of prompt or messages")
     return values
@@ -463,7 +473,7 @@ def parse_tokenize(body: dict) -> dict:
 
 def parse_detokenize(body: dict) -> dict:
     """/detokenize: {"tokens": [ids]} with an optional model."""
-    values = check_fields(body, {"model": _string(256), "tokens": _token_list})
+    values = check_fields(body, DETOKENIZE_FIELDS)
     if values.get("tokens") is None:
         raise _bad("tokens", "tokens is required")
     return values

@@ -34,6 +34,7 @@ from kvserve.server.protocol import GenerateSpec
 from kvserve.server.responses import SSE_DONE, ResponseBuilder, sse
 from kvserve.server.tenancy import RequestAccount
 from kvserve.server.timing import RequestTiming, combine_timings, format_server_timing, server_timing_comment
+from kvserve.server.tool_prompt import render_chat_prompt
 from kvserve.tokenizer.fim import build_fim_prompt, require_fim
 
 CONTROL = -1
@@ -91,7 +92,7 @@ def prepare_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedPrompt]
     check_prompt_size(spec, info)
     check_logit_bias(spec, info)
     if spec.kind == "chat":
-        text = tokenizer.apply_chat_template(spec.messages, add_generation_prompt=True)
+        text = render_chat_prompt(tokenizer, spec.messages, spec.tools)
         prompts = [PreparedPrompt(text, tokenizer.encode(text, add_special_tokens=False))]
         param = "messages"
     else:
@@ -191,7 +192,8 @@ class Generation:
         self.outputs: dict[int, RequestOutput] = {}
         self.filtered: dict[int, str] = {}          # choice index -> "content_filter" once a guard stopped it
         self.builder = ResponseBuilder(spec.kind, self.id, adapter or ctx.model_name, ctx.speller, spec.logprobs,
-                                       spec.params.n, tier_for_class(service_class))
+                                       spec.params.n, tier_for_class(service_class), tools=spec.tools,
+                                       skip_special_tokens=spec.params.skip_special_tokens)
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
         self.screen = output_screen(ctx, tenant, self.account.record, self.builder)   # None: no output guards
@@ -212,13 +214,14 @@ class Generation:
                                     cache_salt=cache_salt(self.tenant), adapter_id=self.adapter,
                                     use_prefix_cache=spec.use_prefix_cache,
                                     num_speculative_tokens=spec.num_speculative_tokens,
-                                    service_class=self.service_class)
+                                    service_class=self.service_class, structured=spec.structured)
             self.tracked.append(self.ctx.client.submit(request, prompt.text, self.sink, tag, self.arrival))
         if self.adapter is not None:
             self.ctx.metrics.lora.requests.inc(adapter=self.adapter)
-        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, tenant=%r, adapter=%r, class=%s",
-                     self.id, len(self.prompts), self.num_prompt_tokens, self.spec.user, self.tenant, self.adapter,
-                     self.service_class.value)
+        logger.debug("admitted %s: %d prompt(s), %d prompt tokens, user=%r, safety_identifier=%r, "
+                     "prompt_cache_key=%r, tenant=%r, adapter=%r, class=%s", self.id, len(self.prompts),
+                     self.num_prompt_tokens, self.spec.user, self.spec.safety_identifier, self.spec.prompt_cache_key,
+                     self.tenant, self.adapter, self.service_class.value)
         deadline_s = self.spec.deadline_s or self.ctx.default_deadline_s
         if deadline_s:
             loop = asyncio.get_running_loop()

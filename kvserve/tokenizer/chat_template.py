@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import json
 from datetime import datetime
+from functools import lru_cache
 
 import jinja2
-from jinja2 import nodes
+from jinja2 import meta, nodes
 from jinja2.ext import Extension
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -103,6 +104,18 @@ def validate_messages(messages) -> list[dict]:
                 raise InvalidRequestError(f"messages[{index}].{key} must be a string", param="messages")
         checked.append({**message, "content": content})
     return checked
+
+
+@lru_cache(maxsize=_MAX_COMPILED)
+def template_variables(template: str) -> frozenset[str]:
+    """The variables ``template`` reads from its context (``messages``, ``tools``...), from
+    its syntax tree: a template that declares tool support reads ``tools``. A template
+    that does not parse reads nothing (rendering it reports the error)."""
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols", _GenerationBlock])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.exceptions.TemplateSyntaxError:
+        return frozenset()
 
 
 class ChatTemplateRenderer:

@@ -9,7 +9,7 @@ import pytest
 
 from kvserve.errors import ContextLengthExceededError, InvalidRequestError
 from kvserve.sampling.params import SamplingParams
-from kvserve.server import protocol
+from kvserve.server import json_body, protocol
 from kvserve.server.auth import load_keys
 from kvserve.server.serving import PreparedPrompt, apply_generation_length, check_prompt_size
 
@@ -20,12 +20,12 @@ INFO = SimpleNamespace(max_model_len=100)
                                   b'{"messages": [{"role": "\\ud800", "content": "hi"}]}'])
 def test_lone_surrogates_are_invalid_encoding(body):
     with pytest.raises(InvalidRequestError) as info:
-        protocol.parse_json_body(body)
+        json_body.parse_json_body(body)
     assert info.value.code == "invalid_encoding"
 
 
 def test_surrogate_pairs_are_characters():
-    assert protocol.parse_json_body(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
+    assert json_body.parse_json_body(b'{"a": "\\ud83d\\ude00"}') == {"a": "\U0001F600"}
 
 
 def test_empty_api_key_is_a_startup_error():

@@ -11,7 +11,7 @@ from kvserve.engine.step import SampledToken, SeqUpdate
 from kvserve.errors import InvalidRequestError
 from kvserve.sampling.params import SamplingParams
 from kvserve.ipc import codec
-from kvserve.server import protocol
+from kvserve.server import json_body, protocol
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.stats import EngineStats, SpeculationCounters
 from kvserve.server.auth import KeyGrant, load_keys, match_key
@@ -58,12 +58,12 @@ def test_codec_refuses_unknown_and_corrupt_frames():
 
 # ---------------------------------------------------------------- protocol
 def test_json_body_rules():
-    assert protocol.parse_json_body(b'{"a": 1}') == {"a": 1}
+    assert json_body.parse_json_body(b'{"a": 1}') == {"a": 1}
     for body, code in [(b"\xff\xfe", "invalid_encoding"), (b'{"a": NaN}', "invalid_json"),
                        (b'{"a": Infinity}', "invalid_json"), (b'{"a": 1', "invalid_json"), (b"[1]", "invalid_json"),
                        (b'{"a":' * 5000 + b"1" + b"}" * 5000, "invalid_json")]:
         with pytest.raises(InvalidRequestError) as info:
-            protocol.parse_json_body(body)
+            json_body.parse_json_body(body)
         assert info.value.code == code
 
 
@@ -98,9 +98,9 @@ def test_completion_fields_rejected_by_name(body, param):
 @pytest.mark.parametrize("body, param", [
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
-    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, "tools[0].function"),
+    ({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "xml"}},
+     "response_format.type"),
     ({"messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "max_completion_tokens": 4},
      "max_completion_tokens"),
     ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo"),
