@@ -30,9 +30,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from kvserve.errors import KVServeError
-from kvserve.server import lora, protocol
+from kvserve.server import json_body, lora, openapi, protocol
 from kvserve.server.audit import AuditRecord
 from kvserve.server.auth import AuthMiddleware, KeyGrant
+from kvserve.server.console import add_console_routes
 from kvserve.server.classes import choose_class
 from kvserve.server.errors import (BodyTooLargeError, InternalServerError, NotFoundError, ServiceUnavailableError,
                                    UnsupportedMediaTypeError)
@@ -124,7 +125,7 @@ async def read_json(request: Request, ctx: ServingContext) -> dict:
     except ClientDisconnect as exc:
         raise protocol.InvalidRequestError("the client disconnected while sending the body",
                                            code="client_disconnected") from exc
-    return protocol.parse_json_body(b"".join(chunks))
+    return json_body.parse_json_body(b"".join(chunks))
 
 
 def select_adapter(ctx: ServingContext, model: str | None) -> str | None:
@@ -280,12 +281,14 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     @app.get("/v1/models")
     async def models():
-        info = ctx.client.info if ctx.client is not None else None
-        max_model_len = info.max_model_len if info else None
-        card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
-                "max_model_len": max_model_len}
-        adapters = ctx.client.adapters if ctx.client is not None else {}
-        return {"object": "list", "data": [card, *lora.adapter_cards(adapters, ctx.model_name, max_model_len)]}
+        """The served models: the base model and the loaded LoRA adapters."""
+        return {"object": "list", "data": _model_cards(ctx)}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        """One served model (the base model, by its name or an alias, or a loaded adapter); 404 otherwise."""
+        wanted = select_adapter(ctx, model_id) or ctx.model_name
+        return next(card for card in _model_cards(ctx) if card["id"] == wanted)
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
@@ -310,6 +313,24 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
 
     _add_admin_routes(app, ctx)
     _add_token_routes(app, ctx)
+    add_console_routes(app, ctx)
+
+    @app.get("/openapi.json", include_in_schema=False)
+    async def openapi_json():
+        """The OpenAPI document (built once): request bodies derived from protocol.py's tables."""
+        if app.openapi_schema is None:
+            app.openapi_schema = openapi.build_document(app)
+        return app.openapi_schema
+
+
+def _model_cards(ctx: ServingContext) -> list[dict]:
+    """``/v1/models`` entries: the base model's, then the loaded adapters'."""
+    info = ctx.client.info if ctx.client is not None else None
+    max_model_len = info.max_model_len if info else None
+    card = {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "kvserve",
+            "max_model_len": max_model_len}
+    adapters = ctx.client.adapters if ctx.client is not None else {}
+    return [card, *lora.adapter_cards(adapters, ctx.model_name, max_model_len)]
 
 
 def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
@@ -371,6 +392,24 @@ def _add_token_routes(app: FastAPI, ctx: ServingContext) -> None:
         if bad:
             raise protocol.InvalidRequestError(f"token id {bad[0]} is outside the vocabulary", param="tokens")
         return {"prompt": ctx.tokenizer.decode(values["tokens"])}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info():
+        """The tokenizer's configuration, as vLLM's ``/tokenizer_info`` serves it (lm-eval reads it)."""
+        if ctx.tokenizer is None:
+            raise ServiceUnavailableError("the tokenizer is not loaded", code="not_ready")
+        info = ctx.client.info if ctx.client is not None else None
+        return _tokenizer_info(ctx.tokenizer, info.max_model_len if info else None)
+
+
+def _tokenizer_info(tokenizer, max_model_len: int | None) -> dict:
+    """The tokenizer's special tokens, chat template and limits (vLLM's field names)."""
+    return {"tokenizer_class": type(tokenizer).__name__, "vocab_size": tokenizer.vocab_size,
+            "model_max_length": max_model_len, "bos_token": tokenizer.bos_token,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token": tokenizer.eos_token,
+            "eos_token_id": tokenizer.eos_token_id, "eos_token_ids": sorted(tokenizer.eos_token_ids),
+            "pad_token": None, "add_bos_token": tokenizer.add_bos, "add_eos_token": tokenizer.add_eos,
+            "chat_template": tokenizer.chat_template}
 
 
 def _tokenize_values(tokenizer, values: dict) -> list[int]:

@@ -25,7 +25,9 @@ from dataclasses import dataclass
 from kvserve.engine.service_class import ServiceClass, parse_class
 from kvserve.server.errors import AuthenticationError, PermissionDeniedError
 
-PUBLIC_PATHS = frozenset({"/health", "/ready"})
+PUBLIC_PATHS = frozenset({"/health", "/ready", "/"})
+CONSOLE_ASSET_PREFIX = "/console/"     # the web console's static files: public, they hold no data
+CONSOLE_API_PREFIX = "/v1/console/"    # its status feed shows every tenant's load: guarded like /metrics
 ADMIN_PATHS = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})
 ADMIN_PREFIX = "/admin/"
 ADMIN_TENANT = "admin"
@@ -155,7 +157,7 @@ class AuthMiddleware:
         state["tenant"] = None
         state["service_class"] = None
         path = scope["path"]
-        if self.admin_keys and (is_admin_path(path) or path == METRICS_PATH):
+        if self.admin_keys and (is_admin_path(path) or path == METRICS_PATH or path.startswith(CONSOLE_API_PREFIX)):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             refusal = self._check_admin(header)
             if refusal is not None:
@@ -163,7 +165,7 @@ class AuthMiddleware:
                 return await _send_json(send, refusal.http_status, refusal.to_dict(), headers)
             state["tenant"] = ADMIN_TENANT
             return await self.app(scope, receive, send)
-        if self.keys and path not in PUBLIC_PATHS:
+        if self.keys and path not in PUBLIC_PATHS and not path.startswith(CONSOLE_ASSET_PREFIX):
             header = next((v for k, v in scope["headers"] if k == b"authorization"), None)
             grant = match_key(self.keys, header)
             if grant is None:

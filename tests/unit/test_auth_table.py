@@ -17,10 +17,11 @@ from kvserve.server.tenants import parse_tenants
 TENANTS = {"admin_keys": ["admin-key"],
            "tenants": {"alice": {"keys": ["alice-key"], "limits": {"requests_per_min": 1000}},
                        "bob": {"keys": ["bob-key"]}}}
-PUBLIC = {"/health", "/ready"}
+PUBLIC = {"/health", "/ready", "/", "/console/{name}"}          # the console page and assets hold no data
 ADMIN = {"/admin/reset_prefix_cache", "/admin/drain", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
-         "/metrics"}
-TENANT = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/tokenize", "/detokenize"}
+         "/metrics", "/v1/console/status", "/v1/console/events"}
+TENANT = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
+          "/detokenize", "/tokenizer_info", "/openapi.json"}
 CALLERS = {"none": None, "wrong": "not-a-key", "own": "alice-key", "other": "bob-key", "admin": "admin-key"}
 
 
