@@ -12,6 +12,9 @@ parts; here they are composed::
 """
 from __future__ import annotations
 
+import math
+import time
+
 from kvserve.config import ModelConfig
 from kvserve.engine.adapter_catalog import AdapterCatalog
 from kvserve.engine.admission import EngineLimits, check_context, check_grace_s, check_logit_bias, check_token_ids
@@ -25,10 +28,13 @@ from kvserve.engine.lookahead import NullSpeculator, Speculator
 from kvserve.engine.request import EngineRequest, RequestStatus
 from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
-from kvserve.engine.stats import AdapterCounters, EngineStats
+from kvserve.engine.stats import AdapterCounters, EngineStats, PrefixSubtree
 from kvserve.engine.step import SeqUpdate
 from kvserve.engine.step_time import LinearTimeModel
 from kvserve.errors import AdapterNotFoundError, InvalidRequestError
+
+SUBTREES_SHOWN = 8            # prefix-cache branches reported in EngineStats (the console shows them)
+SUBTREES_REFRESH_S = 1.0      # how often they are recounted
 
 
 class EngineCore:
@@ -54,6 +60,8 @@ class EngineCore:
         self._last_plan_empty = False
         # structured output: compiles (and so checks) a request's constraint; the runner masks
         self.constraints = constraints or NullConstraints()
+        self._subtrees: list[PrefixSubtree] = []      # the prefix cache's largest branches, as last seen
+        self._subtrees_at = -math.inf                 # when (monotonic seconds)
 
     @property
     def block_pool(self):
@@ -200,6 +208,18 @@ class EngineCore:
         steps on/off), or None when speculation is off."""
         return self.speculator.stats()
 
+    def _largest_subtrees(self) -> list[PrefixSubtree]:
+        """The prefix cache's largest branches, walked at most once per SUBTREES_REFRESH_S
+        while requests run (stats are taken every step; the walk visits every node), and
+        afresh when idle (the last picture before a pause is the one that stays up)."""
+        cache = self.kv.prefix_cache
+        if cache is None:
+            return []
+        now = time.monotonic()
+        if now - self._subtrees_at >= SUBTREES_REFRESH_S or not self.has_unfinished():
+            self._subtrees, self._subtrees_at = cache.largest_subtrees(SUBTREES_SHOWN), now
+        return self._subtrees
+
     def stats(self) -> EngineStats:
         """Gauges and counters for metrics: sequences, KV blocks, preemptions, steps, the
         prefix cache's queries and hits, speculation, the step-time fit, and (fair sharing
@@ -217,6 +237,7 @@ class EngineCore:
             prefix_cache_hit_rate=cache.hit_rate if cache else 0.0,
             prefix_cache_evicted_blocks=cache.num_evicted_blocks if cache else 0,
             prefix_cache_blocks=cache.num_cached_blocks if cache else 0,
+            prefix_cache_subtrees=self._largest_subtrees(),
             speculation=self.speculator.counters(),
             step_time_fixed_s=fit[0] if fit else 0.0, step_time_per_token_s=fit[1] if fit else 0.0,
             adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters(),

@@ -46,6 +46,20 @@ class AdapterCounters:
 
 
 @dataclass(frozen=True)
+class PrefixSubtree:
+    """One top-level branch of the prefix cache: the blocks under one first block of one
+    namespace, i.e. what requests starting with the same tokens share (a system prompt, a
+    document). Sizes only: no token ids leave the engine this way."""
+
+    adapter_id: str | None = None         # the namespace: LoRA adapter (None = base weights),
+    cache_salt: str | None = None         # the tenant's salt ("tenant:<name>"),
+    weight_epoch: int = 0                 # and the weights' epoch
+    num_blocks: int = 0                   # blocks in the branch
+    num_leaves: int = 0                   # distinct continuations cached (leaves)
+    num_locked_blocks: int = 0            # of its blocks, held by running sequences now
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine (and, from the engine process, of its loop)."""
 
@@ -64,6 +78,8 @@ class EngineStats:
     prefix_cache_hit_rate: float = 0.0
     prefix_cache_evicted_blocks: int = 0
     prefix_cache_blocks: int = 0
+    # the largest top-level branches of the prefix cache (refreshed at most once a second)
+    prefix_cache_subtrees: list[PrefixSubtree] = field(default_factory=list)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
     adapters: AdapterCounters = field(default_factory=AdapterCounters)
     # the measured step-time model t = a + b * tokens (0 until two step sizes were seen)
@@ -90,6 +106,8 @@ class EngineStats:
         values = dict(raw)
         if isinstance(values.get("speculation"), dict):
             values["speculation"] = SpeculationCounters(**values["speculation"])
+        values["prefix_cache_subtrees"] = [PrefixSubtree(**t) if isinstance(t, dict) else t
+                                           for t in values.get("prefix_cache_subtrees", [])]
         if isinstance(values.get("adapters"), dict):
             values["adapters"] = AdapterCounters(**values["adapters"])
         return cls(**values)

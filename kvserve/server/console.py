@@ -36,34 +36,46 @@ HISTORY_POINTS = 300                 # five minutes of one-second samples
 
 @dataclass
 class HistoryPoint:
-    """Counter readings at one moment (monotonic seconds)."""
+    """Counter readings at one moment (monotonic seconds); latencies as (sum, count)."""
 
     t: float
     generated: float
     steps: int
+    ttft: tuple[float, int] = (0.0, 0)
+    itl: tuple[float, int] = (0.0, 0)
+
+
+def _interval_mean(a: tuple[float, int], b: tuple[float, int]) -> float | None:
+    """Mean of the observations a histogram took between readings ``a`` and ``b`` (None: none)."""
+    count = b[1] - a[1]
+    return round((b[0] - a[0]) / count, 6) if count > 0 else None
 
 
 @dataclass
 class ConsoleHistory:
-    """Recent counter readings; rates over the last minutes come from their differences."""
+    """Recent counter readings; rates and latencies over the last minutes come from their
+    differences."""
 
     points: deque = field(default_factory=lambda: deque(maxlen=HISTORY_POINTS))
 
-    def record(self, now: float, generated: float, steps: int) -> None:
+    def record(self, point: HistoryPoint) -> None:
         """Keep a reading (at most one per half second)."""
-        if self.points and now - self.points[-1].t < 0.5:
+        if self.points and point.t - self.points[-1].t < 0.5:
             return
-        self.points.append(HistoryPoint(now, generated, steps))
+        self.points.append(point)
 
     def series(self) -> list[dict]:
-        """Per interval between readings: tokens/s and steps/s (oldest first)."""
+        """Per interval between readings (oldest first): tokens/s, steps/s, and the mean TTFT
+        and TPOT (inter-token latency) of what was observed in it (None: nothing was)."""
         out = []
         pairs = zip(list(self.points)[:-1], list(self.points)[1:])
         for a, b in pairs:
             dt = b.t - a.t
             out.append({"age_s": round(self.points[-1].t - b.t, 2),
                         "tokens_per_s": round((b.generated - a.generated) / dt, 3),
-                        "steps_per_s": round((b.steps - a.steps) / dt, 3)})
+                        "steps_per_s": round((b.steps - a.steps) / dt, 3),
+                        "ttft_mean_s": _interval_mean(a.ttft, b.ttft),
+                        "tpot_mean_s": _interval_mean(a.itl, b.itl)})
         return out
 
 
@@ -89,11 +101,21 @@ def _classes(requests) -> dict:
     return out
 
 
+def _totals(histogram) -> tuple[float, int]:
+    """Sum and count of a latency histogram (all label sets together)."""
+    return (sum(s.sum for s in histogram.series.values()), sum(s.count for s in histogram.series.values()))
+
+
 def _latency(histogram) -> dict:
-    """Count and mean of a latency histogram (all label sets together)."""
-    count = sum(s.count for s in histogram.series.values())
-    total = sum(s.sum for s in histogram.series.values())
+    """Count and mean of a latency histogram since start."""
+    total, count = _totals(histogram)
     return {"count": count, "mean_s": round(total / count, 6) if count else None}
+
+
+def _subtrees(stats: EngineStats) -> list[dict]:
+    """The prefix cache's largest branches (sizes and namespace; no tokens)."""
+    return [{"adapter": t.adapter_id, "namespace": t.cache_salt, "blocks": t.num_blocks, "leaves": t.num_leaves,
+             "locked_blocks": t.num_locked_blocks} for t in stats.prefix_cache_subtrees]
 
 
 def build_status(stats: EngineStats, info, requests, metrics, history: ConsoleHistory | None = None,
@@ -118,7 +140,8 @@ def build_status(stats: EngineStats, info, requests, metrics, history: ConsoleHi
         "kv": _kv_view(stats, info),
         "prefix_cache": {"enabled": stats.prefix_cache_enabled, "hit_rate": stats.prefix_cache_hit_rate,
                          "hit_tokens": stats.prefix_cache_hit_tokens, "queries": stats.prefix_cache_queries,
-                         "blocks": stats.prefix_cache_blocks, "evicted_blocks": stats.prefix_cache_evicted_blocks},
+                         "blocks": stats.prefix_cache_blocks, "evicted_blocks": stats.prefix_cache_evicted_blocks,
+                         "largest_subtrees": _subtrees(stats)},
         "speculation": {"enabled": spec.enabled, "proposed": spec.num_proposed, "accepted": spec.num_accepted,
                         "mean_accepted_length": spec.mean_accepted_length},
         "tokens": {"generated_total": generated},
@@ -132,7 +155,9 @@ def _snapshot(ctx, history: ConsoleHistory) -> dict:
     stats = client.stats if client is not None else EngineStats()
     info = client.info if client is not None else None
     requests = list(client.requests.values()) if client is not None else []
-    history.record(time.monotonic(), sum(ctx.metrics.generation_tokens.values.values()), stats.num_steps)
+    metrics = ctx.metrics
+    history.record(HistoryPoint(time.monotonic(), sum(metrics.generation_tokens.values.values()), stats.num_steps,
+                                _totals(metrics.ttft), _totals(metrics.itl)))
     slots = (getattr(client, "engine_config", None) or {}).get("max_num_seqs")
     return build_status(stats, info, requests, ctx.metrics, history, ctx.model_name, slots)
 

@@ -95,6 +95,9 @@ def test_console_chat_streams_and_kv_matches_metrics(server, page, artifacts):
     assert shown["free"] == shown["total"] - shown["used"] - shown["cached"]
     assert page.text_content("#slots") == f"{int(samples['kvserve_num_requests_running'])} / 4"   # --max-num-seqs
     assert int(page.text_content("#gen-total")) == samples["kvserve_generation_tokens_total"] > 0
+    branches = page.eval_on_selector_all("#subtrees tbody tr", "rows => rows.map(r => r.cells[0].textContent)")
+    assert branches == ["tenant:alice"]          # the chat's prompt, cached under its tenant's namespace
+    assert page.locator("#latency-chart").is_visible()
     assert errors == [], errors
     page.check("#json-mode")                  # the toggle only adds the field (the engine enforces it)
     assert page.evaluate("requestBody()")["response_format"] == {"type": "json_object"}

@@ -8,10 +8,10 @@ import asyncio
 from starlette.testclient import TestClient
 
 from kvserve.engine.service_class import ServiceClass
-from kvserve.engine.stats import EngineStats
+from kvserve.engine.stats import EngineStats, PrefixSubtree
 from kvserve.ipc.codec import EngineReady
 from kvserve.server.app import ServingContext, build_app
-from kvserve.server.console import STATIC_FILES, ConsoleHistory, build_status
+from kvserve.server.console import STATIC_FILES, ConsoleHistory, HistoryPoint, build_status
 from kvserve.server.engine_client import TrackedRequest
 from kvserve.server.metrics import ServerMetrics, parse_metrics
 from kvserve.server.state import AdmissionLimits, ServerState
@@ -62,16 +62,28 @@ def test_classes_count_live_requests_only():
     assert set(classes) >= {c.value for c in ServiceClass}
 
 
-def test_history_rates_from_counter_differences():
+def test_history_rates_and_latencies_from_counter_differences():
     history = ConsoleHistory()
-    history.record(10.0, 0, 0)
-    history.record(10.2, 5, 1)           # under half a second later: ignored
-    history.record(11.0, 50, 10)
-    history.record(13.0, 70, 30)
+    history.record(HistoryPoint(10.0, 0, 0))
+    history.record(HistoryPoint(10.2, 5, 1))           # under half a second later: ignored
+    history.record(HistoryPoint(11.0, 50, 10, ttft=(0.6, 2), itl=(0.5, 10)))
+    history.record(HistoryPoint(13.0, 70, 30, ttft=(0.6, 2), itl=(0.9, 30)))
     series = history.series()
     assert [p["tokens_per_s"] for p in series] == [50.0, 10.0]
     assert [p["steps_per_s"] for p in series] == [10.0, 10.0]
     assert [p["age_s"] for p in series] == [2.0, 0.0]
+    assert [p["ttft_mean_s"] for p in series] == [0.3, None]      # no first token in the second interval
+    assert [p["tpot_mean_s"] for p in series] == [0.05, 0.02]
+
+
+def test_largest_subtrees_reach_the_status_through_the_codec():
+    branch = PrefixSubtree(adapter_id=None, cache_salt="tenant:alice", num_blocks=12, num_leaves=3,
+                           num_locked_blocks=4)
+    stats = EngineStats.from_dict(EngineStats(prefix_cache_subtrees=[branch]).to_dict())
+    assert stats.prefix_cache_subtrees == [branch]
+    status = build_status(stats, None, [], ServerMetrics())
+    assert status["prefix_cache"]["largest_subtrees"] == [
+        {"adapter": None, "namespace": "tenant:alice", "blocks": 12, "leaves": 3, "locked_blocks": 4}]
 
 
 def test_page_and_assets_served_and_status_route():

@@ -246,3 +246,18 @@ def test_generate_cli_accepts_no_prefix_cache():
     register(parser.add_subparsers(dest="command"))
     assert parser.parse_args(["generate", "--prompt", "hi"]).prefix_cache is True
     assert parser.parse_args(["generate", "--prompt", "hi", "--no-prefix-cache"]).prefix_cache is False
+
+
+def test_largest_subtrees_count_each_top_level_branch():
+    w = World(num_blocks=32)
+    bob = CacheNamespace(cache_salt="tenant:bob")
+    w.run("a1", toks(A, B, C, D))
+    w.run("a2", toks(A, B, E, F))                  # [A B] -> {[C D], [E F]}: one branch, two leaves
+    w.run("c", toks(C, D))
+    w.run("bob", toks(A), namespace=bob, keep=True)
+    top = w.cache.largest_subtrees(limit=2)
+    assert [(t.cache_salt, t.num_blocks, t.num_leaves, t.num_locked_blocks) for t in top] == [
+        (None, 4 + 2, 2, 0), (None, 2, 1, 0)]
+    everything = w.cache.largest_subtrees(limit=10)
+    assert (everything[-1].cache_salt, everything[-1].num_blocks, everything[-1].num_locked_blocks) == ("tenant:bob", 1, 1)
+    assert sum(t.num_blocks for t in everything) == w.cache.num_cached_blocks

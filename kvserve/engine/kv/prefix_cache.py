@@ -31,6 +31,7 @@ from typing import Callable, Iterable
 from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.kv.cache_events import (BlockRemoved, BlockStored, CacheEvent, CacheNamespace, block_hash,
                                           namespace_seed)
+from kvserve.engine.stats import PrefixSubtree
 
 
 class _Node:
@@ -346,6 +347,21 @@ class PrefixCache:
     @property
     def num_cached_blocks(self) -> int:
         return self._stats.num_cached_blocks
+
+    def largest_subtrees(self, limit: int) -> list[PrefixSubtree]:
+        """The ``limit`` largest top-level branches (children of a namespace root), largest
+        first: their blocks, leaves and locked blocks (one walk of the tree)."""
+        branches = []
+        for namespace, root in self._roots.items():
+            for child in root.children.values():
+                blocks = leaves = locked = 0
+                for node in _walk(child):
+                    blocks += len(node.block_ids)
+                    leaves += not node.children
+                    locked += len(node.block_ids) if node.lock_count else 0
+                branches.append(PrefixSubtree(namespace.adapter_id, namespace.cache_salt, namespace.weight_epoch,
+                                              blocks, leaves, locked))
+        return sorted(branches, key=lambda b: -b.num_blocks)[:limit]
 
     def cached_block_ids(self, namespace: CacheNamespace | None = None) -> set[int]:
         """Block ids in the tree (of one namespace, or all)."""

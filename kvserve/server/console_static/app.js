@@ -100,20 +100,46 @@ function drawGrid(kv) {
   }
 }
 
-function drawRates(series) {
-  const canvas = $("rate-chart"), g = canvas.getContext("2d");
+// lines: [{key, color, label, scale}] over series points (null values leave a gap)
+function drawSeries(canvasId, series, lines, unit) {
+  const canvas = $(canvasId), g = canvas.getContext("2d");
   g.clearRect(0, 0, canvas.width, canvas.height);
-  const max = Math.max(1, ...series.map((p) => p.tokens_per_s));
-  g.strokeStyle = "#2a6";
-  g.beginPath();
-  series.forEach((p, i) => {
-    const x = (i / Math.max(1, series.length - 1)) * canvas.width;
-    const y = canvas.height - (p.tokens_per_s / max) * (canvas.height - 12);
-    if (i === 0) g.moveTo(x, y); else g.lineTo(x, y);
+  const values = lines.flatMap((l) => series.map((p) => p[l.key]).filter((v) => v != null).map((v) => v * l.scale));
+  const max = Math.max(1e-9, ...values);
+  lines.forEach((l) => {
+    g.strokeStyle = l.color;
+    g.beginPath();
+    let drawing = false;
+    series.forEach((p, i) => {
+      if (p[l.key] == null) { drawing = false; return; }
+      const x = (i / Math.max(1, series.length - 1)) * canvas.width;
+      const y = canvas.height - ((p[l.key] * l.scale) / max) * (canvas.height - 12);
+      if (drawing) g.lineTo(x, y); else g.moveTo(x, y);
+      drawing = true;
+    });
+    g.stroke();
   });
-  g.stroke();
   g.fillStyle = "#555";
-  g.fillText("tokens/s (max " + max.toFixed(1) + ", last " + series.length + " s)", 4, 10);
+  const names = lines.map((l) => l.label).join(", ");
+  g.fillText(names + " (max " + max.toFixed(1) + " " + unit + ", last " + series.length + " s)", 4, 10);
+}
+
+function drawRates(series) {
+  drawSeries("rate-chart", series, [{ key: "tokens_per_s", color: "#2a6", label: "tokens/s", scale: 1 }], "tok/s");
+  drawSeries("latency-chart", series, [
+    { key: "ttft_mean_s", color: "#36c", label: "TTFT (blue)", scale: 1000 },
+    { key: "tpot_mean_s", color: "#c63", label: "TPOT (orange)", scale: 1000 }], "ms");
+}
+
+function renderSubtrees(subtrees) {
+  const body = $("subtrees").tBodies[0];
+  body.textContent = "";
+  for (const t of subtrees || []) {
+    const row = body.insertRow();
+    for (const v of [t.namespace ?? "–", t.adapter ?? "base", t.blocks, t.leaves, t.locked_blocks]) {
+      row.insertCell().textContent = String(v);
+    }
+  }
 }
 
 const ms = (s) => (s == null ? "–" : (s * 1000).toFixed(1) + " ms");
@@ -134,6 +160,7 @@ function render(status) {
   $("kv-explanation").textContent = kv.explanation || "–";
   $("hit-rate").textContent = pc.enabled ? (pc.hit_rate * 100).toFixed(1) + " %" : "off";
   $("prefix-blocks").textContent = pc.blocks;
+  renderSubtrees(pc.largest_subtrees);
   $("spec").textContent = sp.enabled ? sp.accepted + "/" + sp.proposed + " accepted" : "off";
   $("gen-total").textContent = status.tokens.generated_total;
   $("ttft").textContent = ms(status.latency.ttft.mean_s); $("itl").textContent = ms(status.latency.itl.mean_s);
