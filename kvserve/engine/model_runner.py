@@ -5,7 +5,8 @@ state: everything it needs arrives in the plan as ints and lists. A ``BatchConte
 (LoRA segments) orders the plan's sequences and brackets each forward with the
 metadata the model's projection transforms read. Structured output: the injected
 constraints (``engine/constraint.py``) give grammar masks for the constrained sampling
-rows, computed before the forward; the sampler applies them to those rows only.
+rows, filled on the host after the forward is launched (overlapping a GPU's kernels); the
+sampler applies them to those rows only.
 """
 from __future__ import annotations
 
@@ -48,8 +49,10 @@ class ModelRunner:
             return StepResult()
         items = self.batch_context.order(plan.scheduled)
         to_sample = [s for s in items if s.sample]
-        masks = self.constraints.masks(to_sample, self.device)    # before the forward: host work only
         hidden, sample_rows = self._forward(items)
+        # grammar masks are host work on the sequences' tokens: filled once the forward is
+        # launched, so on a GPU they overlap its (asynchronous) kernels; on CPU it is serial
+        masks = self.constraints.masks(to_sample, self.device)
         prompt_lps = self._prompt_logprobs(items, hidden)
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
