@@ -27,6 +27,7 @@ TORCH_FREE = [
     "kvserve.server.app",
     "kvserve.server.response_format",
     "kvserve.engine.constraint",
+    "kvserve.router",
 ]
 
 # Run in a fresh interpreter: import one module; if torch gets imported on the way, record

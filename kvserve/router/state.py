@@ -1,0 +1,54 @@
+"""What a router knows: each replica's load and health, and the request to place."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.engine.kv.cache_events import CacheNamespace
+
+
+@dataclass
+class ReplicaState:
+    """One replica as the router last heard of it (its engine's stats and health).
+
+    ``kv_usage``: fraction of its KV blocks held by running sequences; ``max_num_seqs``:
+    its decode slots (0: unknown); ``healthy``: False while its circuit breaker is open
+    (such a replica is never chosen)."""
+
+    name: str
+    num_running: int = 0
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+    max_num_seqs: int = 0
+    resident_adapters: frozenset[str] = field(default_factory=frozenset)
+    healthy: bool = True
+
+    @property
+    def load(self) -> float:
+        """Requests it holds per decode slot (1.0: every slot busy; above: a queue)."""
+        return (self.num_running + self.num_waiting) / max(1, self.max_num_seqs)
+
+
+@dataclass(frozen=True)
+class RouteRequest:
+    """A request to place: its prompt tokens (as the engine will see them), the cache
+    namespace the server derives for it (adapter, weight epoch, tenant salt) and an
+    optional session key (OpenAI's ``prompt_cache_key``)."""
+
+    token_ids: tuple[int, ...]
+    namespace: CacheNamespace = CacheNamespace()
+    session_key: str | None = None
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Where a request goes and why: ``reason`` is one of ``round_robin``,
+    ``least_loaded``, ``prefix`` (most cached blocks, load considered), ``session`` (its
+    session's replica), ``spread`` (a cold request or a tie, to the least used replica);
+    ``matched_blocks`` of the request's ``num_blocks`` full blocks are cached there as far
+    as the router knows."""
+
+    replica: str
+    policy: str
+    reason: str
+    matched_blocks: int = 0
+    num_blocks: int = 0
