@@ -33,6 +33,7 @@ MAX_CHOICES = 64            # prompts x n
 MAX_USER_CHARS = 256
 MAX_DEADLINE_S = 3600.0
 MAX_PRIORITY = 1_000_000
+COMPLETION_DEFAULT_MAX_TOKENS = 16   # OpenAI's length for a completions request that names none
 TOKEN_ID_KEY_PATTERN = "^(0|[1-9][0-9]{0,17})$"      # a logit_bias key: a token id in decimal (< 10**18)
 _TOKEN_ID_KEY = re.compile(TOKEN_ID_KEY_PATTERN)
 
@@ -61,6 +62,8 @@ class GenerateSpec:
     suffix: str | None = None                   # completions: fill in the middle (text prompts only)
     logprobs: int | None = None                 # completions: top-k; chat: top_logprobs when logprobs
     user: str | None = None
+    implicit_max_tokens: int | None = None      # completions without max_tokens: OpenAI's default (16), within the
+                                                # server's caps (serving.apply_generation_length)
     safety_identifier: str | None = None        # OpenAI's successor of user: an end-user id, logged like it
     prompt_cache_key: str | None = None         # the caller's prefix-cache session key (a routing hint; the
                                                 # cache namespace stays the tenant's salt, see server/auth.py)
@@ -400,14 +403,14 @@ def parse_completion(body: dict) -> GenerateSpec:
     best_of = values.get("best_of")
     if best_of is not None and best_of != n:
         raise _bad("best_of", "best_of must equal n (server-side best-of selection is not supported)")
-    max_tokens = values.get("max_tokens") or 16           # OpenAI's default for completions
-    params = _sampling_params(values, max_tokens, values.get("logprobs"))
+    params = _sampling_params(values, values.get("max_tokens"), values.get("logprobs"))
     if values.get("echo") and values.get("logprobs") is not None:
         params.prompt_logprobs = values["logprobs"]        # the echoed prompt carries logprobs too
     _check_choices(len(prompts), params.n)
     stream, include_usage = _stream_flags(values)
     _check_suffix(values.get("suffix"), prompts, bool(values.get("echo")))
     return GenerateSpec(kind="completion", model=values.get("model"), params=params, prompts=prompts,
+                        implicit_max_tokens=None if values.get("max_tokens") else COMPLETION_DEFAULT_MAX_TOKENS,
                         stream=stream, include_usage=include_usage, echo=bool(values.get("echo")),
                         suffix=values.get("suffix"),
                         logprobs=values.get("logprobs"), user=values.get("user"),

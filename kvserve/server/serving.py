@@ -124,14 +124,15 @@ def completion_prompts(spec: GenerateSpec, tokenizer, info) -> list[PreparedProm
 def apply_generation_length(spec: GenerateSpec, prompts: list[PreparedPrompt], info,
                             default_max_tokens: int | None, max_tokens_limit: int | None) -> None:
     """The server's generation-length rules on ``spec.params.max_tokens`` (in place): above
-    ``max_tokens_limit`` is a 400 naming the field; a request that names no length gets
-    ``default_max_tokens``, cut to what its longest prompt leaves of the context, instead of
-    running to the end of the context (None: the old behaviour)."""
+    ``max_tokens_limit`` is a 400 naming the field; a request that names no length gets the
+    smallest of its own implicit length (completions: 16, OpenAI's), ``default_max_tokens``
+    and ``max_tokens_limit``, cut to what its longest prompt leaves of the context, instead
+    of running to the end of the context (no caps at all: the old behaviour)."""
     asked = spec.params.max_tokens
     if asked is not None and max_tokens_limit is not None and asked > max_tokens_limit:
         raise InvalidRequestError(f"{spec.max_tokens_param} is {asked}; this server allows at most "
                                   f"{max_tokens_limit}", param=spec.max_tokens_param)
-    caps = [x for x in (default_max_tokens, max_tokens_limit) if x is not None]
+    caps = [x for x in (spec.implicit_max_tokens, default_max_tokens, max_tokens_limit) if x is not None]
     if asked is None and caps:
         room = info.max_model_len - max(len(p.token_ids) for p in prompts)
         spec.params.max_tokens = max(1, min(*caps, room))

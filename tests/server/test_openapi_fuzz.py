@@ -63,6 +63,9 @@ GENERATION_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "stop", "
                      "frequency_penalty", "repetition_penalty", "ignore_eos", "skip_special_tokens",
                      "include_stop_str_in_output", "stream", "user", "safety_identifier", "prompt_cache_key",
                      "metadata", "store", "priority", "logit_bias")
+# non-empty text: the published schema allows "" (a model that adds BOS can run it), this model cannot
+PLAIN_PROMPT = {"anyOf": [{"type": "string", "minLength": 1},
+                          {"type": "array", "minItems": 1, "maxItems": 2, "items": {"type": "string", "minLength": 1}}]}
 PLAIN_MESSAGES = {"type": "array", "minItems": 1, "maxItems": 3, "items": {
     "type": "object", "required": ["role", "content"], "additionalProperties": False,
     "properties": {"role": {"enum": ["system", "developer", "user", "assistant"]}, "content": {"type": "string"}}}}
@@ -70,15 +73,15 @@ PLAIN_MESSAGES = {"type": "array", "minItems": 1, "maxItems": 3, "items": {
 
 def _plain_document(doc: dict) -> dict:
     """The published document narrowed to plain generation requests this server runs: its
-    own schemas of the sampling fields, string prompts, text messages, n <= 2 and this
-    server's max_tokens cap (8), so that most generated bodies are accepted and generate."""
+    own schemas of the sampling fields, non-empty string prompts, text messages, n <= 2 and
+    this server's max_tokens cap (8), so that most generated bodies are accepted and generate."""
     paths = {}
     for path, prompt_field in (("/v1/completions", "prompt"), ("/v1/chat/completions", "messages")):
         operation = doc["paths"][path]["post"]
         published = operation["requestBody"]["content"]["application/json"]["schema"]["properties"]
         properties = {name: published[name] for name in GENERATION_FIELDS}
         properties["prompt" if prompt_field == "prompt" else "messages"] = (
-            {"anyOf": published["prompt"]["anyOf"][:2]} if prompt_field == "prompt" else PLAIN_MESSAGES)
+            PLAIN_PROMPT if prompt_field == "prompt" else PLAIN_MESSAGES)
         properties["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 8}
         properties["n"] = {"type": "integer", "minimum": 1, "maximum": 2}
         body = {"type": "object", "required": [prompt_field], "properties": properties, "additionalProperties": False}

@@ -69,3 +69,15 @@ def test_generation_length_default_and_limit():
     spec = _chat([{"role": "user", "content": "hi"}])
     apply_generation_length(spec, prompts, INFO, None, None)
     assert spec.params.max_tokens is None                 # both off: to the end of the context
+
+
+def test_completions_without_max_tokens_get_openais_16_within_the_servers_caps():
+    def length(default, limit, prompt_len=1, body=None):
+        spec = protocol.parse_completion(body or {"prompt": "hi"})
+        apply_generation_length(spec, [PreparedPrompt("hi", list(range(prompt_len)))], INFO, default, limit)
+        return spec.params.max_tokens
+    assert length(None, None) == 16                       # OpenAI's default for completions
+    assert length(2048, None) == 16
+    assert length(2048, 8) == 8                           # a lower server limit wins: never a 400 for it
+    assert length(None, None, prompt_len=95) == 5         # cut to what the context leaves
+    assert length(2048, 64, body={"prompt": "hi", "max_tokens": 40}) == 40
