@@ -2,12 +2,15 @@
 guided_* extensions, streamed and not, and 400s that name the field of a bad schema."""
 from __future__ import annotations
 
+import asyncio
 import json
 
 import httpx
 import jsonschema
+import openai
 import pytest
 
+from tests.support.json_schemas import SCHEMAS
 
 pytestmark = pytest.mark.model
 
@@ -26,7 +29,7 @@ def schema_format(strict: bool = True) -> dict:
 
 def test_json_schema_strict_not_streamed(open_client):
     out = open_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
-                                         response_format=schema_format())
+                                              response_format=schema_format())
     choice = out.choices[0]
     jsonschema.validate(json.loads(choice.message.content), SCHEMA)
     assert choice.finish_reason == "stop"
@@ -34,7 +37,7 @@ def test_json_schema_strict_not_streamed(open_client):
 
 def test_json_schema_streamed_sampled_n2(open_client):
     stream = open_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0.9, n=2,
-                                            seed=5, stream=True, response_format=schema_format())
+                                                 seed=5, stream=True, response_format=schema_format())
     texts, reasons = {}, {}
     for chunk in stream:
         for c in chunk.choices:
@@ -46,9 +49,35 @@ def test_json_schema_streamed_sampled_n2(open_client):
         jsonschema.validate(json.loads(text), SCHEMA)
 
 
+async def _whole_and_streamed(base_url: str, name: str) -> tuple[str, str, str, str]:
+    """One greedy request under schema ``name``, whole and streamed: (text, finish) of each."""
+    kwargs = dict(model=MODEL, messages=[{"role": "user", "content": "Reply with a JSON object that fits the task."}],
+                  max_tokens=96, temperature=0, response_format={"type": "json_schema", "json_schema": {
+                      "name": name, "schema": SCHEMAS[name], "strict": True}})
+    async with openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=300) as aclient:
+        whole = await aclient.chat.completions.create(**kwargs)
+        text, finish = "", None
+        async for chunk in await aclient.chat.completions.create(stream=True, **kwargs):
+            for c in chunk.choices:
+                text += c.delta.content or ""
+                finish = c.finish_reason or finish
+    return whole.choices[0].message.content, whole.choices[0].finish_reason, text, finish
+
+
+def test_every_schema_streamed_equals_whole_and_validates(open_server):
+    """All the schemas of tests/support/json_schemas.py through the HTTP server, greedy: the
+    streamed text equals the whole response's, both end by the grammar and validate."""
+    async def run_all():
+        return await asyncio.gather(*(_whole_and_streamed(open_server.base_url, name) for name in SCHEMAS))
+    results = asyncio.run(run_all())
+    for name, (whole, whole_finish, streamed, streamed_finish) in zip(SCHEMAS, results):
+        assert streamed == whole and whole_finish == streamed_finish == "stop", name
+        jsonschema.validate(json.loads(whole), SCHEMAS[name])
+
+
 def test_json_object(open_client):
     out = open_client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=64, temperature=0,
-                                         response_format={"type": "json_object"})
+                                              response_format={"type": "json_object"})
     content = out.choices[0].message.content
     if out.choices[0].finish_reason == "stop":
         assert isinstance(json.loads(content), dict)

@@ -98,12 +98,12 @@ def test_two_turn_conversation(open_client):
     """call -> tool result -> an answer in words."""
     question = [{"role": "user", "content": QUESTIONS["get_weather"]}]
     first = open_client.chat.completions.create(model=MODEL, messages=question, tools=TOOLS,
-                                           tool_choice=_named("get_weather"), max_tokens=80, temperature=0)
+                                                tool_choice=_named("get_weather"), max_tokens=80, temperature=0)
     (call,) = _check_calls(first.choices[0].message, {"get_weather"})
     history = question + [first.choices[0].message.model_dump(exclude_none=True),
                           {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 18, "sky": "sunny"}'}]
     second = open_client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, tool_choice="none",
-                                            max_tokens=30, temperature=0)
+                                                 max_tokens=30, temperature=0)
     answer = second.choices[0]
     assert answer.message.tool_calls is None and answer.message.content.strip()
     assert answer.finish_reason in ("stop", "length")
@@ -162,5 +162,5 @@ def test_bad_tool_requests_name_the_field(open_client, body, param):
 
 def test_parallel_tool_calls_accepted_without_tools(open_client):
     reply = open_client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                           parallel_tool_calls=False)
+                                                parallel_tool_calls=False)
     assert reply.choices[0].message.tool_calls is None
