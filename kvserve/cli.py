@@ -20,6 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
         register_planner = None
     if register_planner is not None:
         register_planner(sub)
+    from kvserve.cluster.cli import register as register_cluster
+    register_cluster(sub)
     return parser
 
 

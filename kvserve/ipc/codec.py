@@ -150,6 +150,15 @@ class StepOutputs:
 
 
 @dataclass
+class CacheBlocks:
+    """The prefix cache's changes since the last message, as block hashes (cache_events.py):
+    what a cache-aware router counts to know which blocks this engine holds."""
+
+    stored: list[int] = field(default_factory=list)
+    removed: list[int] = field(default_factory=list)
+
+
+@dataclass
 class RequestError:
     """The engine refused or lost a request; ``error`` is the OpenAI error body."""
 
@@ -161,7 +170,7 @@ class RequestError:
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     InitEngine, EngineReady, EngineRequest, AbortRequests, StopSequences, Shutdown, EngineStatsUpdate,
     StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset, EngineFailed, LoadAdapter, UnloadAdapter,
-    AdapterResult)}
+    AdapterResult, CacheBlocks)}
 
 
 # --------------------------------------------------------------- conversion

@@ -26,6 +26,7 @@ import socket
 import sys
 import time
 
+from kvserve.engine.kv.cache_events import BlockStored
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.stats import EngineStats
 from kvserve.ipc import codec
@@ -80,6 +81,7 @@ class EngineLoop:
             self._dirty = True
         elif isinstance(message, codec.ResetPrefixCache):
             self.send(codec.PrefixCacheReset(int(self.engine.reset_prefix_cache())))
+            self.send_cache_blocks()
         elif isinstance(message, (codec.LoadAdapter, codec.UnloadAdapter)):
             self.send(self._adapter_command(message))
         elif isinstance(message, codec.Shutdown):
@@ -130,6 +132,15 @@ class EngineLoop:
         if self._dirty or any(u.finish_reason is not None for u in updates):
             self._prune()
         self.send(codec.StepOutputs(updates, started, self.stats(), step_start))
+        self.send_cache_blocks()
+
+    def send_cache_blocks(self) -> None:
+        """The prefix cache's block hashes stored and removed since the last call, if any."""
+        stored, removed = [], []
+        for event in self.engine.drain_cache_events():
+            (stored if isinstance(event, BlockStored) else removed).extend(event.block_hashes)
+        if stored or removed:
+            self.send(codec.CacheBlocks(stored, removed))
 
     def _prune(self) -> None:
         """Forget requests the scheduler no longer holds (finished, stopped or aborted)."""

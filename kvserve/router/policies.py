@@ -3,11 +3,15 @@
 Each is ``choose(replicas, request) -> Decision`` over the healthy replicas. The prefix
 policies score every replica as
 
-    score = prefix x (cached blocks / request blocks) - load x (requests per decode slot)
+    score = prefix x share - load x (requests per decode slot)
             - kv x (KV fraction in use) + session x [the session's last replica]
             + adapter x [the request's adapter is resident there]
 
-and take the highest, so with the default weights (1, 0.5, 0.25, 0.5, 0.25) a replica
+where ``share`` is the fraction of the request's blocks cached there, counted only above
+``min_share`` (0.5): a prefix of half the prompt or less (a chat template's default system
+prompt, say) saves at most half its prefill, less than spreading the load is worth, so such
+requests are placed as cold ones. The highest score wins, so with the default weights
+(1, 0.5, 0.25, 0.5, 0.25) a replica
 holding a request's whole prompt keeps winning over an idle one until it holds two more
 requests per decode slot (1.0 / 0.5): the cached prefill saved is worth that much queueing.
 A request no replica holds any of (cold), and ties, go to the replica with the fewest
@@ -35,6 +39,7 @@ class RouterWeights:
     """The prefix policies' score weights (see the module docstring)."""
 
     prefix: float = 1.0
+    min_share: float = 0.5
     load: float = 0.5
     kv: float = 0.25
     session: float = 0.5
@@ -104,10 +109,15 @@ class PrefixAware:
         self.spread = Spread()
         self.sessions: dict[str, str] = {}      # session key -> the replica it last went to
 
+    def counted_share(self, matched: int, num_blocks: int) -> float:
+        """The cached share of the request's blocks, 0 unless above ``min_share``."""
+        share = matched / num_blocks if num_blocks else 0.0
+        return share if share > self.weights.min_share else 0.0
+
     def score(self, replica: ReplicaState, matched: int, num_blocks: int, request: RouteRequest) -> float:
         """The module docstring's score of ``replica`` for ``request``."""
         w = self.weights
-        cached = matched / num_blocks if num_blocks else 0.0
+        cached = self.counted_share(matched, num_blocks)
         session = request.session_key is not None and self.sessions.get(request.session_key) == replica.name
         adapter = request.namespace.adapter_id
         resident = adapter is not None and adapter in replica.resident_adapters
@@ -122,14 +132,15 @@ class PrefixAware:
         best = max(scores.values())
         tied = [r for r in healthy if scores[r.name] >= best - TIE_EPSILON]
         chosen = self.spread.pick(tied)
-        reason = self._reason(chosen, matched[chosen.name], request, len(tied) > 1)
+        reason = self._reason(chosen, self.counted_share(matched[chosen.name], len(hashes)) > 0, request,
+                              len(tied) > 1)
         if self.learn:
             self.index.record(chosen.name, hashes)
         self._remember_session(request.session_key, chosen.name)
         return Decision(chosen.name, self.name, reason, matched[chosen.name], len(hashes))
 
-    def _reason(self, chosen: ReplicaState, matched: int, request: RouteRequest, tied: bool) -> str:
-        if matched:
+    def _reason(self, chosen: ReplicaState, by_prefix: bool, request: RouteRequest, tied: bool) -> str:
+        if by_prefix:
             return "prefix"
         if request.session_key is not None and self.sessions.get(request.session_key) == chosen.name:
             return "session"

@@ -86,6 +86,7 @@ class EngineClient:
         self.requests: dict[str, TrackedRequest] = {}
         self.info: codec.EngineReady | None = None
         self.stats = EngineStats()
+        self.cached_blocks: set[int] = set()               # hashes of the blocks the engine's prefix cache holds
         self.process: subprocess.Popen | None = None
         self.dead = False
         self.last_token_time = time.monotonic()
@@ -266,6 +267,9 @@ class EngineClient:
     def _handle(self, message) -> None:
         if isinstance(message, codec.StepOutputs):
             self._on_step(message)
+        elif isinstance(message, codec.CacheBlocks):
+            self.cached_blocks.difference_update(message.removed)
+            self.cached_blocks.update(message.stored)
         elif isinstance(message, codec.EngineStatsUpdate):
             self.stats = message.stats
             self.metrics.update_engine(message.stats)

@@ -85,7 +85,7 @@ class KVServer:
         self.ctx.metrics.rejected.inc(status=str(status), code=code)
 
     async def serve(self) -> int:
-        self._spawn(self._start_engine())
+        self._spawn(self.start_engine())
         await self.uvicorn.serve()
         if self.ctx.client is not None:
             code = await self.ctx.client.shutdown()
@@ -97,7 +97,8 @@ class KVServer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _start_engine(self) -> None:
+    async def start_engine(self) -> None:
+        """Start the engine process and mark the server ready (a start-up failure ends the server)."""
         client = EngineClient(self.ctx.tokenizer, self.ctx.metrics, self.engine_config, on_dead=self._on_engine_dead)
         self.ctx.client = client
         try:

@@ -130,3 +130,55 @@ def test_weights_are_configurable():
     replicas = _replicas("a", "b")
     replicas[1].num_running = 3                          # 0.75 per slot x 2.0 = 1.5 > 1.0 of prefix
     assert policy.choose(replicas, _request(prompt)).replica == "a"
+
+
+def test_the_engine_loop_ships_cache_block_hashes_that_rebuild_the_cached_set():
+    import socket
+
+    from kvserve.ipc import codec
+    from kvserve.ipc.engine_proc import EngineLoop
+
+    cache = PrefixCache(BlockPool(32, BS))
+
+    class Engine:
+        def drain_cache_events(self):
+            return cache.drain_events()
+
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        loop = EngineLoop(Engine(), ours)
+        _cache_run(cache, list(range(16)))
+        loop.send_cache_blocks()
+        cache.evict(2)                                   # the last two blocks leave
+        _cache_run(cache, [5] * 8)
+        loop.send_cache_blocks()
+        loop.send_cache_blocks()                         # nothing new: nothing sent
+        theirs.settimeout(5)
+        frames, messages = codec.FrameBuffer(), []
+        while len(messages) < 2:
+            messages.extend(frames.feed(theirs.recv(1 << 16)))
+    held: set[int] = set()
+    for message in messages:
+        assert isinstance(message, codec.CacheBlocks)
+        held.difference_update(message.removed)
+        held.update(message.stored)
+    index = BlockIndex()
+    index.record("r", held)
+    assert index.prefix_length("r", request_block_hashes(list(range(16)), NS, BS)) == 2
+    assert index.prefix_length("r", request_block_hashes([5] * 8, NS, BS)) == 2
+    assert len(held) == cache.num_cached_blocks == 4
+
+
+def test_a_prefix_of_half_the_prompt_or_less_does_not_pull():
+    policy = make_policy("kv_aware", block_size=BS)
+    template = list(range(4))                            # one shared block (a default system prompt, say)
+    policy.index.record("a", request_block_hashes(template, NS, BS))
+    replicas = _replicas("a", "b")
+    decisions = [policy.choose(replicas, _request(template + [n] * 8)) for n in range(4)]   # 1 of 3 blocks
+    assert sorted(d.replica for d in decisions) == ["a", "a", "b", "b"]
+    assert all(d.reason == "spread" for d in decisions)
+    half = policy.choose(replicas, _request(template + [9] * 4))                           # 1 of 2 blocks
+    assert half.reason == "spread"
+    policy.index.record("b", request_block_hashes(template + [9] * 4, NS, BS))
+    most = policy.choose(replicas, _request(template + [9] * 8))                           # 2 of 3 blocks
+    assert (most.replica, most.reason) == ("b", "prefix")

@@ -1,0 +1,60 @@
+"""``KVServeRequestRouter``: Ray Serve's request router for ``EngineReplica``, deciding with
+a ``kvserve.router`` policy from the replicas' routing stats (``record_routing_stats``:
+load, KV use, the cached blocks' hashes) and the ``route`` the ingress computed for the
+request (its prompt's tokens, tenant salt, session key). Ray Serve's router API is alpha:
+ray[serve] is pinned (pyproject's ``cluster`` extra)."""
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import List, Optional
+
+from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
+
+from kvserve.engine.kv.cache_events import CacheNamespace
+from kvserve.router import ReplicaState, RouteRequest, RouterWeights, make_policy
+
+logger = logging.getLogger("kvserve.cluster")
+
+
+class KVServeRequestRouter(RequestRouter):
+    """Ranks the chosen replica first and the rest after it (Ray Serve falls back to them
+    if the first cannot take the request)."""
+
+    def initialize_state(self, policy: str = "kv_aware", weights: dict | None = None, block_size: int = 16):
+        self.policy = make_policy(policy, block_size, RouterWeights(**(weights or {})))
+        self.decisions: Counter = Counter()          # (policy, reason) -> count
+        self._blocks_seen: dict[str, float] = {}     # replica -> stats time its blocks were read at
+
+    def _state(self, replica: RunningReplica) -> ReplicaState:
+        stats = replica.routing_stats or {}
+        name = replica.replica_id.unique_id
+        index = getattr(self.policy, "index", None)
+        if index is not None and not getattr(self.policy, "learn", True) and "blocks" in stats \
+                and self._blocks_seen.get(name) != stats.get("time"):
+            index.forget(name)
+            index.record(name, stats["blocks"])           # the replica's cache, as its events left it
+            self._blocks_seen[name] = stats.get("time")
+        return ReplicaState(name, int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
+                            float(stats.get("kv_usage", 0.0)), int(stats.get("max_num_seqs", 0)),
+                            frozenset(stats.get("adapters", ())), healthy=bool(stats.get("healthy", True)))
+
+    async def choose_replicas(self, candidate_replicas: List[RunningReplica],
+                              pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
+        avoid = set(route.get("avoid", ()))          # replicas that failed this request already
+        states = [self._state(r) for r in candidate_replicas]
+        for state in states:
+            state.healthy = state.healthy and state.name not in avoid
+        request = RouteRequest(tuple(route.get("tokens", ())),
+                               CacheNamespace(route.get("adapter"), 0, route.get("cache_salt")), route.get("session"))
+        if not any(s.healthy for s in states):
+            return [candidate_replicas]              # none reports healthy: let Ray Serve try them all
+        decision = self.policy.choose(states, request)
+        self.decisions[(decision.policy, decision.reason)] += 1
+        chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)
+        logger.debug("routed to %s (%s, %d/%d blocks cached)", decision.replica, decision.reason,
+                     decision.matched_blocks, decision.num_blocks)
+        return [[chosen], [r for r in candidate_replicas if r is not chosen]]

@@ -1,0 +1,132 @@
+"""The cluster tier: `kvserve cluster serve` with 2 replicas on a local Ray Serve (127.0.0.1
+only), through the OpenAI SDK: the same answers as the single server, streamed and not; a
+conversation stays on the replica holding its prefix; cold requests spread; an engine killed
+mid-run ends its streams cleanly, later requests go elsewhere, and the replica rejoins."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from benchmarks.server_process import ServerProcess
+from kvserve.cluster.ray_runtime import ray_listen_addresses
+
+pytestmark = [pytest.mark.cluster, pytest.mark.model]
+
+MODEL = "SmolLM2-135M-Instruct"
+FLAGS = ("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.05", "--max-num-seqs", "4")
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", command=("cluster", "serve"),
+                       startup_timeout_s=420) as proc:
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    return openai.OpenAI(base_url=cluster.base_url, api_key="unused", max_retries=0, timeout=300)
+
+
+def _chat(client, messages, **kw):
+    return client.chat.completions.with_raw_response.create(model=MODEL, messages=messages, temperature=0, **kw)
+
+
+def test_ray_listens_on_loopback_only(cluster):
+    assert "kvserve: Ray node address 127.0.0.1" in cluster.log_tail(100_000)
+    addresses = ray_listen_addresses()
+    assert addresses and addresses <= LOOPBACK, addresses
+
+
+def test_answers_equal_the_single_server_streamed_and_not(client):
+    prompts = [[{"role": "user", "content": q}] for q in ("What is the capital of France?", "Name a colour.",
+                                                          "Write one word about the sea.")]
+    whole = [_chat(client, p, max_tokens=24).parse().choices[0].message.content for p in prompts]
+    streamed = []
+    for p in prompts:
+        chunks = client.chat.completions.create(model=MODEL, messages=p, temperature=0, max_tokens=24, stream=True)
+        streamed.append("".join(c.choices[0].delta.content or "" for c in chunks if c.choices))
+    with ServerProcess(*FLAGS) as single:
+        one = openai.OpenAI(base_url=single.base_url, api_key="unused", max_retries=0, timeout=300)
+        reference = [_chat(one, p, max_tokens=24).parse().choices[0].message.content for p in prompts]
+    assert whole == streamed == reference
+
+
+def test_a_conversation_stays_with_its_prefix(client):
+    messages = [{"role": "system", "content": "You answer questions about European geography in one sentence."},
+                {"role": "user", "content": "What is the capital of Italy?"}]
+    replicas, cached = [], []
+    for turn in range(3):
+        raw = _chat(client, messages, max_tokens=12)
+        reply = raw.parse()
+        replicas.append(raw.headers["x-kvserve-replica"])
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And the capital of Portugal?"}]
+        time.sleep(1.0)                     # replicas report their cached blocks every 0.5 s
+    assert len(set(replicas)) == 1, replicas
+    assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1], cached
+
+
+def _cold_replicas(cluster, count: int) -> list[str]:
+    seen = []
+    for i in range(count):
+        body = {"model": MODEL, "messages": [{"role": "user", "content": f"Unrelated question {i * 37}: why?"}],
+                "max_tokens": 2}
+        r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        seen.append(r.headers["x-kvserve-replica"])
+    return seen
+
+
+def test_cold_requests_spread(cluster):
+    assert len(set(_cold_replicas(cluster, 4))) == 2
+
+
+def _engine_processes() -> list[psutil.Process]:
+    """The engine processes of the cluster's replicas (children of Serve replica actors)."""
+    engines = []
+    for proc in psutil.process_iter(["name"]):
+        if (proc.info["name"] or "").startswith("ray::ServeRepl"):
+            engines += [c for c in proc.children() if "kvserve.ipc.engine_proc" in " ".join(c.cmdline())]
+    return engines
+
+
+def _stream(cluster, i: int, out: list) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from one to a hundred, {i}."}],
+            "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", cluster.base_url + "/chat/completions", json=body, timeout=180) as r:
+        out.append((r.headers.get("x-kvserve-replica"), [line for line in r.iter_lines() if line.startswith("data:")]))
+
+
+def test_an_engine_killed_mid_run(cluster):
+    engines = _engine_processes()
+    assert len(engines) == 2
+    results: list = []
+    threads = [threading.Thread(target=_stream, args=(cluster, i, results)) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(4)
+    os.kill(engines[0].pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=200)
+    assert not any(t.is_alive() for t in threads) and len(results) == 4       # nothing hangs
+    for _replica, lines in results:                                            # each ends cleanly
+        assert lines[-1] == "data: [DONE]"
+    errored = [lines for _r, lines in results if any('"error"' in line for line in lines)]
+    assert errored, "the killed engine's streams end with an error event"
+    _cold_replicas(cluster, 4)                       # later requests all succeed (retried elsewhere)
+    deadline = time.monotonic() + 240
+    while time.monotonic() < deadline:               # Ray Serve restarts the replica; it takes traffic again
+        if len(_engine_processes()) == 2 and len(set(_cold_replicas(cluster, 4))) == 2:
+            return
+        time.sleep(5)
+    pytest.fail("the replica did not rejoin")
