@@ -12,6 +12,7 @@ import threading
 
 from kvserve.cluster.ray_runtime import LOOPBACK, start_local_ray, stop_local_ray  # first: pins Ray to loopback
 from kvserve.cluster.ingress import Ingress
+from kvserve.cluster.ladder import LadderSettings
 from kvserve.cluster.replica import EngineReplica
 from ray import serve  # noqa: E402  (after ray_runtime)
 from ray.serve.config import RequestRouterConfig  # noqa: E402
@@ -37,7 +38,17 @@ def build_app(args: argparse.Namespace):
                                max_ongoing_requests=max(64, 4 * args.max_num_seqs), health_check_period_s=2.0)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    return ingress.bind(replica.bind(args), model_path, keys)
+    return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args))
+
+
+def ladder_settings(args: argparse.Namespace) -> LadderSettings | None:
+    """The degradation ladder's settings from the options (None: ``--no-ladder``)."""
+    if not getattr(args, "ladder", True):
+        return None
+    tenants = frozenset(t.strip() for t in (args.priority_tenants or "").split(",") if t.strip())
+    return LadderSettings(chat_ttft_slo_s=args.chat_ttft_slo, engage_dwell_s=args.ladder_dwell_s,
+                          release_dwell_s=3 * args.ladder_dwell_s, batch_max_tokens=args.batch_max_tokens,
+                          priority_tenants=tenants)
 
 
 def run_cluster(args: argparse.Namespace) -> int:

@@ -27,4 +27,13 @@ def register(subparsers) -> None:
     p.add_argument("--replica-cpus", type=float, default=0.0,
                    help="CPUs Ray reserves per replica (default 0: threads come from --threads)")
     p.add_argument("--ray-cpus", type=int, default=None, help="CPUs the local Ray may schedule (default: all)")
+    lad = p.add_argument_group("degradation ladder (docs/cluster.md)")
+    lad.add_argument("--no-ladder", dest="ladder", action="store_false", help="never degrade")
+    lad.add_argument("--chat-ttft-slo", type=float, default=1.0,
+                     help="seconds: chat first-byte p90 at which the next rung engages (default 1.0)")
+    lad.add_argument("--ladder-dwell-s", type=float, default=10.0,
+                     help="seconds of pressure per rung up (down: 3x as long; default 10)")
+    lad.add_argument("--batch-max-tokens", type=int, default=256, help="batch requests' cap from rung 2 (default 256)")
+    lad.add_argument("--priority-tenants", default="",
+                     help="comma-separated tenants still admitted at the top rung (none: the rung is skipped)")
     p.set_defaults(func=run)

@@ -1,7 +1,8 @@
 """The cluster tier: `kvserve cluster serve` with 2 replicas on a local Ray Serve (127.0.0.1
 only), through the OpenAI SDK: the same answers as the single server, streamed and not; a
-conversation stays on the replica holding its prefix; cold requests spread; an engine killed
-mid-run ends its streams cleanly, later requests go elsewhere, and the replica rejoins."""
+conversation stays on the replica holding its prefix; cold requests spread; under pressure
+the degradation ladder sheds batch requests only; an engine killed mid-run ends its streams
+cleanly, later requests go elsewhere, and the replica rejoins."""
 from __future__ import annotations
 
 import os
@@ -26,8 +27,9 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 @pytest.fixture(scope="module")
 def cluster():
-    with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", command=("cluster", "serve"),
-                       startup_timeout_s=420) as proc:
+    # a chat TTFT SLO no CPU meets and 1 s dwells: the degradation ladder climbs during the module
+    with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", "--chat-ttft-slo", "0.05",
+                       "--ladder-dwell-s", "1", command=("cluster", "serve"), startup_timeout_s=420) as proc:
         yield proc
 
 
@@ -89,6 +91,22 @@ def _cold_replicas(cluster, count: int) -> list[str]:
 
 def test_cold_requests_spread(cluster):
     assert len(set(_cold_replicas(cluster, 4))) == 2
+
+
+def test_the_ladder_sheds_batch_requests_only(cluster):
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4}
+    deadline, rung = time.monotonic() + 60, ""
+    while time.monotonic() < deadline and not rung.startswith("3;"):
+        r = httpx.post(cluster.base_url + "/chat/completions", json=chat, timeout=120)
+        assert r.status_code == 200, r.text
+        rung = r.headers["x-kvserve-degradation"]
+    assert rung == "3; shed_batch"
+    batch = httpx.post(cluster.base_url + "/chat/completions", json={**chat, "service_tier": "flex"}, timeout=120)
+    assert batch.status_code == 503 and batch.json()["error"]["code"] == "server_degraded"
+    assert batch.headers["retry-after"] and batch.headers["x-kvserve-degradation"] == "3; shed_batch"
+    interactive = httpx.post(cluster.base_url + "/chat/completions", json={**chat, "service_tier": "priority"},
+                             timeout=120)
+    assert interactive.status_code == 200
 
 
 def _engine_processes() -> list[psutil.Process]:

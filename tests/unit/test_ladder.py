@@ -91,3 +91,32 @@ def test_breaker_opens_after_failures_probes_and_closes():
     breaker.on_send()
     breaker.on_success()
     assert breaker.state is BreakerState.CLOSED and breaker.routable(12) and breaker.consecutive_failures == 0
+
+
+def test_the_ingress_controller_measures_and_applies_its_rung():
+    import json
+
+    from kvserve.cluster.degrade import DegradationController, request_class
+    clock = [0.0]
+    settings = LadderSettings(chat_ttft_slo_s=0.5, engage_dwell_s=1.0, release_dwell_s=3.0, batch_max_tokens=32,
+                              priority_tenants=frozenset({"gold"}))
+    controller = DegradationController(settings, window_s=5.0, clock=lambda: clock[0])
+    body = json.dumps({"messages": [], "max_tokens": 500}).encode()
+    assert controller.apply(body, ServiceClass.BATCH, "bob") == (body, None)              # normal: untouched
+    rungs = []
+    for _ in range(8):                           # chat first bytes at 2x the SLO, one a second
+        rungs.append(controller.record(ServiceClass.CHAT, 200, 1.0).rung)
+        clock[0] += 1.0
+    assert rungs[:4] == [Rung.NORMAL, Rung.SPECULATION_OFF, Rung.CAP_BATCH_TOKENS, Rung.SHED_BATCH]
+    controller.ladder.level = 2                  # hold at cap_batch_tokens to read its effects
+    capped, refusal = controller.apply(body, ServiceClass.BATCH, "bob")
+    assert refusal is None and json.loads(capped) == {"messages": [], "max_tokens": 32, "num_speculative_tokens": 0}
+    controller.ladder.level = 3
+    assert controller.apply(body, ServiceClass.BATCH, "bob")[1].startswith("batch requests are shed")
+    assert controller.apply(body, ServiceClass.CHAT, "bob")[1] is None                    # chat still admitted
+    controller.ladder.level = len(controller.ladder.rungs) - 1
+    assert controller.apply(body, ServiceClass.CHAT, "bob")[1].startswith("only priority tenants")
+    assert controller.apply(body, ServiceClass.CHAT, "gold")[1] is None
+    assert request_class({"service_tier": "flex"}, None) is ServiceClass.BATCH
+    assert request_class({"service_tier": "flex"}, ServiceClass.INTERACTIVE) is ServiceClass.INTERACTIVE
+    assert request_class({}, None) is ServiceClass.CHAT
