@@ -6,7 +6,8 @@ ray[serve] is pinned (pyproject's ``cluster`` extra)."""
 from __future__ import annotations
 
 import logging
-from collections import Counter
+import time
+from collections import Counter, deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
@@ -15,6 +16,7 @@ from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.router import ReplicaState, RouteRequest, RouterWeights, make_policy
 
 logger = logging.getLogger("kvserve.cluster")
+STALE_ROUTED_S = 10.0        # a sent request not yet in any stats after this long is forgotten
 
 
 class KVServeRequestRouter(RequestRouter):
@@ -25,6 +27,7 @@ class KVServeRequestRouter(RequestRouter):
         self.policy = make_policy(policy, block_size, RouterWeights(**(weights or {})))
         self.decisions: Counter = Counter()          # (policy, reason) -> count
         self._blocks_seen: dict[str, float] = {}     # replica -> stats time its blocks were read at
+        self._routed: dict[str, deque] = {}          # replica -> wall times of requests sent to it
 
     def _state(self, replica: RunningReplica) -> ReplicaState:
         stats = replica.routing_stats or {}
@@ -35,9 +38,18 @@ class KVServeRequestRouter(RequestRouter):
             index.forget(name)
             index.record(name, stats["blocks"])           # the replica's cache, as its events left it
             self._blocks_seen[name] = stats.get("time")
-        return ReplicaState(name, int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)),
+        return ReplicaState(name, int(stats.get("num_running", 0)),
+                            int(stats.get("num_waiting", 0)) + self._routed_since(name, stats.get("time", 0.0)),
                             float(stats.get("kv_usage", 0.0)), int(stats.get("max_num_seqs", 0)),
                             frozenset(stats.get("adapters", ())), healthy=bool(stats.get("healthy", True)))
+
+    def _routed_since(self, name: str, stats_time: float) -> int:
+        """Requests sent to ``name`` after its stats were taken: its stats do not count them yet,
+        and without them every request in a stats period herds onto the same replica."""
+        routed = self._routed.setdefault(name, deque())
+        while routed and (routed[0] <= stats_time or time.time() - routed[0] > STALE_ROUTED_S):
+            routed.popleft()
+        return len(routed)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -55,6 +67,7 @@ class KVServeRequestRouter(RequestRouter):
         decision = self.policy.choose(states, request)
         self.decisions[(decision.policy, decision.reason)] += 1
         chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)
+        self._routed.setdefault(decision.replica, deque()).append(time.time())
         logger.debug("routed to %s (%s, %d/%d blocks cached)", decision.replica, decision.reason,
                      decision.matched_blocks, decision.num_blocks)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]

@@ -71,10 +71,10 @@ def test_kv_aware_goes_where_the_prefix_is_until_the_load_outweighs_it():
     replicas = _replicas("a", "b")
     decision = policy.choose(replicas, _request(prompt + [99]))
     assert (decision.replica, decision.reason, decision.matched_blocks, decision.num_blocks) == ("b", "prefix", 4, 4)
-    # whole prompt cached (score +1.0) against 0.5 per request per slot: b wins up to 2 requests per slot more
-    replicas[1].num_running = 7                          # 7/4 = 1.75 per slot: 1 - 0.875 > 0
+    # whole prompt cached (score +1.0) against 0.5 per request held: b wins while it holds under 2 more
+    replicas[1].num_running = 1                          # 1 - 0.5 > 0
     assert policy.choose(replicas, _request(prompt)).replica == "b"
-    replicas[1].num_waiting = 2                          # 9/4 = 2.25 per slot: 1 - 1.125 < 0
+    replicas[1].num_waiting = 2                          # 1 - 1.5 < 0
     assert policy.choose(replicas, _request(prompt)).replica == "a"
 
 
@@ -128,7 +128,7 @@ def test_weights_are_configurable():
     prompt = list(range(16))
     policy.index.record("b", request_block_hashes(prompt, NS, BS))
     replicas = _replicas("a", "b")
-    replicas[1].num_running = 3                          # 0.75 per slot x 2.0 = 1.5 > 1.0 of prefix
+    replicas[1].num_running = 1                          # 1 request x 2.0 = 2.0 > 1.0 of prefix
     assert policy.choose(replicas, _request(prompt)).replica == "a"
 
 
