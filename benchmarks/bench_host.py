@@ -1,8 +1,10 @@
-"""Small shared pieces of the soak and guard benchmarks: the machine's description,
+"""Small shared pieces of the benchmarks: the machine's description, the JSON report,
 pinning this process, and reading a server's /metrics with an admin key."""
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import httpx
 
@@ -18,6 +20,14 @@ def machine() -> dict:
     except OSError:
         pass
     return {"cpu_model": model, "cores": os.cpu_count(), "client_affinity": sorted(os.sched_getaffinity(0))}
+
+
+def emit(report: dict, out: str | None) -> None:
+    """Print a benchmark's JSON report, and write it to ``out`` when given."""
+    text = json.dumps(report, indent=1)
+    print(text)
+    if out:
+        Path(out).write_text(text + "\n")
 
 
 def pin_cpus(spec: str | None) -> None:

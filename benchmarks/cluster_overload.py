@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from benchmarks.bench_host import machine  # noqa: E402
+from benchmarks.bench_host import emit, machine  # noqa: E402
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -116,10 +116,7 @@ def main() -> None:
         print(json.dumps({name: runs[name]}), flush=True)
     report["schedule"] = len(report["schedule"])
     report["runs"] = runs
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

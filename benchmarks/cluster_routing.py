@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx  # noqa: E402
 
-from benchmarks.bench_host import machine  # noqa: E402
+from benchmarks.bench_host import emit, machine  # noqa: E402
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -120,10 +120,7 @@ def main() -> None:
               "ratios": {"kv_aware_cached_fraction_vs_single": round(kv["cached_fraction"] / single["cached_fraction"], 3),
                          "kv_aware_computed_tokens_vs_round_robin": round(kv["computed_tokens"] / rr["computed_tokens"], 3),
                          "kv_aware_ttft_p50_vs_round_robin": round(kv["ttft_p50_s"] / rr["ttft_p50_s"], 3)}}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ every replica, choosing. Pure Python, one process; no engine runs.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
@@ -20,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_host import machine  # noqa: E402
+from benchmarks.bench_host import emit, machine  # noqa: E402
 from kvserve.engine.kv.cache_events import CacheNamespace  # noqa: E402
 from kvserve.router import POLICIES, ReplicaState, RouteRequest, make_policy, request_block_hashes  # noqa: E402
 
@@ -75,10 +74,7 @@ def main() -> None:
               "mean_prompt_tokens": round(sum(map(len, full)) / len(full), 1),
               "mean_blocks_per_request": round(hashes / len(full), 1),
               "policies": [measure(name, history, full) for name in POLICIES]}
-    text = json.dumps(report, indent=1)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

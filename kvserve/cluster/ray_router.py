@@ -14,6 +14,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.router import ReplicaState, RouteRequest, RouterWeights, make_policy
+from kvserve.router.policies import PrefixAware
 
 logger = logging.getLogger("kvserve.cluster")
 STALE_ROUTED_S = 10.0        # a sent request not yet in any stats after this long is forgotten
@@ -32,11 +33,10 @@ class KVServeRequestRouter(RequestRouter):
     def _state(self, replica: RunningReplica) -> ReplicaState:
         stats = replica.routing_stats or {}
         name = replica.replica_id.unique_id
-        index = getattr(self.policy, "index", None)
-        if index is not None and not getattr(self.policy, "learn", True) and "blocks" in stats \
-                and self._blocks_seen.get(name) != stats.get("time"):
-            index.forget(name)
-            index.record(name, stats["blocks"])           # the replica's cache, as its events left it
+        events_fed = isinstance(self.policy, PrefixAware) and not self.policy.learn     # kv_aware
+        if events_fed and "blocks" in stats and self._blocks_seen.get(name) != stats.get("time"):
+            self.policy.index.forget(name)
+            self.policy.index.record(name, stats["blocks"])    # the replica's cache, as its events left it
             self._blocks_seen[name] = stats.get("time")
         return ReplicaState(name, int(stats.get("num_running", 0)),
                             int(stats.get("num_waiting", 0)) + self._routed_since(name, stats.get("time", 0.0)),

@@ -25,10 +25,10 @@ class EngineReplica:
     """Built by Ray Serve with the ``kvserve serve`` arguments (an argparse Namespace)."""
 
     async def __init__(self, serve_args: argparse.Namespace):
-        from kvserve.server.app import build_app
         from kvserve.cluster.ray_runtime import pin_replica_grpc_to_loopback
-        pin_replica_grpc_to_loopback()
+        from kvserve.server.app import build_app
         from kvserve.server.cli import build_server
+        pin_replica_grpc_to_loopback()
         self.server = build_server(serve_args)
         self.app = build_app(self.server.ctx)
         self.max_num_seqs = serve_args.max_num_seqs
