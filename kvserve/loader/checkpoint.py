@@ -13,7 +13,7 @@ import torch
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "mistral", "qwen2_moe")
 
 
 @dataclass
@@ -36,7 +36,6 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     hidden = config.hidden_size
     q_rows = config.num_heads * config.head_dim
     kv_rows = config.num_kv_heads * config.head_dim
-    inter = config.intermediate_size
     shapes: dict[str, tuple[int, ...]] = {
         "model.embed_tokens.weight": (config.vocab_size, hidden),
         "model.norm.weight": (hidden,),
@@ -51,13 +50,31 @@ def expected_tensor_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.k_proj.weight"] = (kv_rows, hidden)
         shapes[p + "self_attn.v_proj.weight"] = (kv_rows, hidden)
         shapes[p + "self_attn.o_proj.weight"] = (hidden, q_rows)
-        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
-        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes.update(_mlp_shapes(config, i, p + "mlp."))
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q_rows,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_rows,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_rows,)
+    return shapes
+
+
+def _swiglu_shapes(prefix: str, hidden: int, inter: int) -> dict[str, tuple[int, ...]]:
+    return {prefix + "gate_proj.weight": (inter, hidden), prefix + "up_proj.weight": (inter, hidden),
+            prefix + "down_proj.weight": (hidden, inter)}
+
+
+def _mlp_shapes(config: ModelConfig, layer: int, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The MLP tensors of one layer: a dense SwiGLU, or Qwen2-MoE's router, experts and
+    sigmoid-gated shared expert."""
+    hidden, moe = config.hidden_size, config.moe
+    if moe is None or not moe.is_sparse(layer):
+        return _swiglu_shapes(prefix, hidden, config.intermediate_size)
+    shapes = {prefix + "gate.weight": (moe.num_experts, hidden)}
+    for e in range(moe.num_experts):
+        shapes.update(_swiglu_shapes(f"{prefix}experts.{e}.", hidden, moe.expert_intermediate_size))
+    if moe.shared_expert_intermediate_size:
+        shapes.update(_swiglu_shapes(prefix + "shared_expert.", hidden, moe.shared_expert_intermediate_size))
+        shapes[prefix + "shared_expert_gate.weight"] = (1, hidden)
     return shapes
 
 

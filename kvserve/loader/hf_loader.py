@@ -12,25 +12,26 @@ from typing import Any
 
 import torch
 
-from kvserve.config import ModelConfig
+from kvserve.config import MoEConfig, ModelConfig
 from kvserve.errors import ModelLoadError
 from kvserve.loader.checkpoint import Checkpoint, validate_tensors
 
 # HF model_type / architectures entry -> our registry key.
-_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+_MODEL_TYPES = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "qwen2_moe": "qwen2_moe"}
 _ARCH_CLASSES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
 }
-_DEFAULT_ATTENTION_BIAS = {"llama": False, "qwen2": True, "mistral": False}
+_DEFAULT_ATTENTION_BIAS = {"llama": False, "qwen2": True, "mistral": False, "qwen2_moe": True}
 
 
 def load_hf_folder(path: str) -> Checkpoint:
     """Read a Hugging Face folder: config.json (+ generation_config.json) and safetensors.
 
     Raises ModelLoadError when config.json or the weights are missing or
-    unreadable, the architecture is not llama/qwen2/mistral, or the tensors do
+    unreadable, the architecture is not llama/qwen2/mistral/qwen2_moe, or the tensors do
     not fit the config.
     """
     raw = _read_json(os.path.join(path, "config.json"), required=True)
@@ -62,6 +63,9 @@ def hf_config(raw: dict[str, Any], generation: dict[str, Any], has_lm_head: bool
     head_dim = raw.get("head_dim") or hidden // num_heads
     rope_theta, rope_scaling = _rope(raw)
     tie = raw.get("tie_word_embeddings")
+    bias = raw.get("attention_bias")
+    if bias is None:                    # Qwen2-MoE's config.json names it qkv_bias
+        bias = raw.get("qkv_bias", _DEFAULT_ATTENTION_BIAS[arch])
     bos = raw.get("bos_token_id")
     if bos is None:
         bos = generation.get("bos_token_id")
@@ -78,11 +82,25 @@ def hf_config(raw: dict[str, Any], generation: dict[str, Any], has_lm_head: bool
         rope_theta=rope_theta,
         max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
         tie_word_embeddings=bool(tie) if tie is not None else not has_lm_head,
-        attention_bias=bool(raw.get("attention_bias", _DEFAULT_ATTENTION_BIAS[arch])),
+        attention_bias=bool(bias),
         bos_token_id=None if bos is None else int(bos),
         eos_token_ids=_eos_ids(raw.get("eos_token_id"), generation.get("eos_token_id")),
         rope_scaling=rope_scaling,
         name=os.path.basename(os.path.normpath(path)) if path else "",
+        moe=_moe(raw, need) if arch == "qwen2_moe" else None,
+    )
+
+
+def _moe(raw: dict[str, Any], need) -> MoEConfig:
+    """Qwen2-MoE's expert numbers (``need(key)`` raises ModelLoadError when one is absent)."""
+    return MoEConfig(
+        num_experts=int(need("num_experts")),
+        top_k=int(need("num_experts_per_tok")),
+        expert_intermediate_size=int(need("moe_intermediate_size")),
+        shared_expert_intermediate_size=int(need("shared_expert_intermediate_size")),
+        norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+        decoder_sparse_step=int(raw.get("decoder_sparse_step") or 1),
+        mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()),
     )
 
 

@@ -7,6 +7,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.engine.config import LoRASettings
+from kvserve.errors import InvalidRequestError
 from kvserve.lora.batch import LoRABatch
 from kvserve.lora.layer import apply_lora
 from kvserve.lora.manager import LoRAManager
@@ -18,7 +19,11 @@ logger = logging.getLogger("kvserve.lora")
 def build_lora(settings: LoRASettings, model, model_config: ModelConfig, device: torch.device,
                dtype: torch.dtype) -> tuple[LoRAManager, LoRABatch]:
     """Preallocate ``max_loras`` slots, wrap the model's projections, load the start-up
-    adapters (a bad one is an ``AdapterLoadError`` at start)."""
+    adapters (a bad one is an ``AdapterLoadError`` at start). Mixture-of-experts models
+    have no LoRA roles for their expert MLPs: refused."""
+    if model_config.moe is not None:
+        raise InvalidRequestError(f"LoRA is not supported for the mixture-of-experts architecture "
+                                  f"{model_config.architecture!r}", param="enable_lora")
     slots = AdapterSlots(model_config, settings.max_loras, settings.max_lora_rank, device, dtype)
     manager = LoRAManager(model_config, slots, settings.max_cpu_loras)
     batch = LoRABatch(manager.slot_of, device)

@@ -1,4 +1,5 @@
-"""Shared transformer layers: RMSNorm, rotary embeddings, SwiGLU MLP.
+"""Shared transformer layers: RMSNorm, rotary embeddings, SwiGLU MLP, and the helpers
+that move Hugging Face-named checkpoint tensors into them.
 
 Tensors are flattened across requests: ``[num_tokens, ...]`` (varlen, no padding).
 """
@@ -104,9 +105,46 @@ class SwiGLUMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:    # [T, hidden] -> [T, hidden]
         return self.down_proj(self.activation(x))
 
+    def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += mlp(x)`` in place (the residual stream: down_proj accumulates into it)."""
+        return self.down_proj.accumulate_(out, self.activation(x))
+
+    def load_weights(self, tensors: dict, prefix: str) -> None:
+        """Take ``{prefix}gate_proj`` + ``up_proj`` (fused) and ``down_proj`` weights."""
+        put_param(self.gate_up_proj, "weight", take_tensors(tensors, prefix + "gate_proj.weight",
+                                                            prefix + "up_proj.weight"))
+        put_param(self.down_proj, "weight", take_tensors(tensors, prefix + "down_proj.weight"))
+
     def activation(self, x: torch.Tensor) -> torch.Tensor:
         """silu(gate(x)) * up(x), computed in place in the gate half of one fresh
         [T, 2 * inter] buffer; returns that (row-strided) half, [T, inter]."""
         gate_up = self.gate_up_proj(x)                     # [T, 2 * inter]
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return F.silu(gate, inplace=True).mul_(up)
+
+
+def take_tensors(tensors: dict, *names: str):
+    """The checkpoint tensor ``names[0]``, or ``names`` concatenated along rows (a fused
+    projection). Quantised weights (``kvserve.quant.formats``) concatenate with their own
+    ``cat``. KeyError names the missing tensors."""
+    missing = [n for n in names if n not in tensors]
+    if missing:
+        raise KeyError(f"checkpoint lacks tensors {missing}")
+    parts = [tensors[n] for n in names]
+    if len(parts) == 1:
+        return parts[0]
+    quantized = [p for p in parts if not isinstance(p, torch.Tensor)]
+    return type(quantized[0]).cat(parts) if quantized else torch.cat(parts)
+
+
+def put_param(module: nn.Module, attr: str, value) -> None:
+    """Replace ``module.<attr>`` by ``value`` (no copy when contiguous), after checking its
+    shape. A loader's quantised weight waits in ``Projection.quantized_weight`` and leaves
+    an empty float parameter behind."""
+    old = getattr(module, attr)
+    if old.shape != value.shape:
+        raise ValueError(f"{attr}: checkpoint shape {tuple(value.shape)} != model {tuple(old.shape)}")
+    if not isinstance(value, torch.Tensor):     # a loader's quantised weight (kvserve.quant)
+        module.quantized_weight = value
+        value = torch.empty(0)
+    setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))

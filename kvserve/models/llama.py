@@ -11,7 +11,7 @@ from torch import nn
 
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
-from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_
+from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_, put_param, take_tensors
 from kvserve.models.projection import Projection
 
 
@@ -46,19 +46,23 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Pre-norm attention, then pre-norm MLP. ``mlp`` is any module with
+    ``accumulate_(out, x)`` and ``load_weights(tensors, prefix)`` (default: the dense
+    SwiGLU; a mixture-of-experts block in ``kvserve.models.qwen2_moe``)."""
+
+    def __init__(self, config: ModelConfig, mlp: nn.Module | None = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = SwiGLUMLP(config.hidden_size, config.intermediate_size)
+        self.mlp = mlp if mlp is not None else SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, x, rope, backend, k_cache, v_cache, step) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]; ``x`` is updated in place (the residual
         stream: each projection accumulates into it, no add pass)."""
         attn = self.self_attn.attend(self.input_layernorm(x), rope, backend, k_cache, v_cache, step)
         self.self_attn.o_proj.accumulate_(x, attn)
-        self.mlp.down_proj.accumulate_(x, self.mlp.activation(self.post_attention_layernorm(x)))
+        self.mlp.accumulate_(x, self.post_attention_layernorm(x))
         return x
 
 
@@ -71,12 +75,17 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size),
                                          requires_grad=False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, self.make_mlp(config, i))
+                                    for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else Projection(config.vocab_size, config.hidden_size)
         self._packed_tied_head: Projection | None = None     # CPU fp32 copy of a tied head (pack_weights)
         self.rotary = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                       config.rope_theta, config.rope_scaling)
+
+    def make_mlp(self, config: ModelConfig, layer: int) -> nn.Module:
+        """The MLP of decoder layer ``layer``: the dense SwiGLU (subclasses override)."""
+        return SwiGLUMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend, meta: AttentionMetadata) -> torch.Tensor:
@@ -126,40 +135,24 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Take Hugging Face-named tensors (no copy where no fusion is needed), fusing
-        q/k/v and gate/up. Shapes are checked against the parameters they replace. A
-        projection's tensors may be quantised weights (``kvserve.quant.formats``, which
-        concatenate rows with ``cat``): they wait in ``Projection.quantized_weight``."""
-        def take(*names: str) -> torch.Tensor:
-            missing = [n for n in names if n not in tensors]
-            if missing:
-                raise KeyError(f"checkpoint lacks tensors {missing}")
-            parts = [tensors[n] for n in names]
-            if len(parts) == 1:
-                return parts[0]
-            quantized = [p for p in parts if not isinstance(p, torch.Tensor)]
-            return type(quantized[0]).cat(parts) if quantized else torch.cat(parts)
+        q/k/v and gate/up (each layer's MLP loads its own: ``mlp.load_weights``). Shapes
+        are checked against the parameters they replace. A projection's tensors may be
+        quantised weights (``kvserve.quant.formats``, which concatenate rows with
+        ``cat``): they wait in ``Projection.quantized_weight``."""
+        def take(*names: str):
+            return take_tensors(tensors, *names)
 
-        def put(module: nn.Module, attr: str, value) -> None:
-            old = getattr(module, attr)
-            if old.shape != value.shape:
-                raise ValueError(f"{attr}: checkpoint shape {tuple(value.shape)} != model {tuple(old.shape)}")
-            if not isinstance(value, torch.Tensor):     # a loader's quantised weight (kvserve.quant)
-                module.quantized_weight = value
-                value = torch.empty(0)
-            setattr(module, attr, nn.Parameter(value.contiguous(), requires_grad=False))
-
-        put(self, "embed_tokens", take("model.embed_tokens.weight"))
-        put(self.norm, "weight", take("model.norm.weight"))
+        put_param(self, "embed_tokens", take("model.embed_tokens.weight"))
+        put_param(self.norm, "weight", take("model.norm.weight"))
         if self.lm_head is not None:
-            put(self.lm_head, "weight", take("lm_head.weight"))
+            put_param(self.lm_head, "weight", take("lm_head.weight"))
         for i, layer in enumerate(self.layers):
             p = f"model.layers.{i}."
             attn = layer.self_attn
-            put(attn.qkv_proj, "weight", take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
+            put_param(attn.qkv_proj, "weight", take(*(p + f"self_attn.{n}_proj.weight" for n in "qkv")))
             if attn.qkv_proj.bias is not None:
-                put(attn.qkv_proj, "bias", take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")))
-            put(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"))
-            put(layer.mlp.gate_up_proj, "weight", take(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"))
-            put(layer.mlp.down_proj, "weight", take(p + "mlp.down_proj.weight"))
-            put(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
-            put(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))
+                put_param(attn.qkv_proj, "bias", take(*(p + f"self_attn.{n}_proj.bias" for n in "qkv")))
+            put_param(attn.o_proj, "weight", take(p + "self_attn.o_proj.weight"))
+            layer.mlp.load_weights(tensors, p + "mlp.")
+            put_param(layer.input_layernorm, "weight", take(p + "input_layernorm.weight"))
+            put_param(layer.post_attention_layernorm, "weight", take(p + "post_attention_layernorm.weight"))

@@ -25,7 +25,7 @@ from kvserve.planner.calibrate import RunSample, fit_efficiencies
 from kvserve.planner.errors import PlannerInputError
 from kvserve.planner.hardware import (HardwareSpec, default_hardware_dir, hardware_to_dict, load_hardware_file,
                                       save_hardware_file)
-from kvserve.planner.models import ModelSpec
+from kvserve.planner.models import ModelSpec, MoESpec
 from kvserve.planner.simulate import SchedulerLimits
 
 # (prompt lengths, max_tokens). Prefill-only runs (max_tokens=1) pair with decode runs over batch
@@ -109,12 +109,19 @@ def time_runs(generate: Callable[[list[list[int]], int], None],
 
 
 def model_from_engine(mc) -> ModelSpec:
-    """ModelSpec from the engine's own ModelConfig (what the engine actually runs)."""
+    """ModelSpec from the engine's own ModelConfig (what the engine actually runs). A MoE
+    model's dense layers are counted as ``first_dense_layers`` wherever they sit."""
+    moe = None
+    if mc.moe is not None:
+        dense = sum(not mc.moe.is_sparse(i) for i in range(mc.num_layers))
+        moe = MoESpec(num_experts=mc.moe.num_experts, experts_per_token=mc.moe.top_k,
+                      expert_intermediate_size=mc.moe.expert_intermediate_size,
+                      shared_intermediate_size=mc.moe.shared_expert_intermediate_size, first_dense_layers=dense)
     return ModelSpec(name=mc.name or mc.architecture, num_layers=mc.num_layers, hidden_size=mc.hidden_size,
                      intermediate_size=mc.intermediate_size, vocab_size=mc.vocab_size, num_heads=mc.num_heads,
                      num_kv_heads=mc.num_kv_heads, head_dim=mc.head_dim,
                      tie_word_embeddings=mc.tie_word_embeddings, max_context=mc.max_position_embeddings,
-                     qkv_bias=mc.attention_bias, source="kvserve engine ModelConfig")
+                     qkv_bias=mc.attention_bias, moe=moe, source="kvserve engine ModelConfig")
 
 
 def open_engine(model: str | None, threads: int | None):
