@@ -31,8 +31,8 @@ def build_app(args: argparse.Namespace):
     keys, _admin = server_keys(args, tenants)
     router = RequestRouterConfig(
         request_router_class="kvserve.cluster.ray_router:KVServeRequestRouter",
-        request_router_kwargs={"policy": args.router}, request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-        request_routing_stats_timeout_s=5.0)
+        request_router_kwargs={"policy": args.router, "weights": getattr(args, "router_weights", None)},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
     replica = serve.deployment(EngineReplica, name="engine", num_replicas=args.replicas,
                                ray_actor_options={"num_cpus": args.replica_cpus}, request_router_config=router,
                                max_ongoing_requests=max(64, 4 * args.max_num_seqs), health_check_period_s=2.0)

@@ -1,7 +1,7 @@
 """``kvserve cluster serve`` options (no Ray import here: the command imports it when run)."""
 from __future__ import annotations
 
-from kvserve.router import POLICIES
+from kvserve.router import POLICIES, RouterWeights
 
 
 def run(args) -> int:
@@ -14,6 +14,16 @@ def run(args) -> int:
     return run_cluster(args)
 
 
+def _weights(text: str) -> str:
+    """Checks ``--router-weights`` at parse time; the router parses it again in its process."""
+    import argparse
+    try:
+        RouterWeights.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def register(subparsers) -> None:
     """``kvserve cluster serve``: every ``kvserve serve`` option plus the cluster's own."""
     from kvserve.server.cli import register as register_serve
@@ -24,6 +34,9 @@ def register(subparsers) -> None:
     p.description = "Serve N engine replicas on a local Ray Serve behind a KV-aware router."
     p.add_argument("--replicas", type=int, default=2, help="engine replicas (default 2)")
     p.add_argument("--router", default="kv_aware", choices=POLICIES, help="routing policy (default kv_aware)")
+    p.add_argument("--router-weights", type=_weights, default=None, metavar="NAME=VALUE,...",
+                   help="the prefix policies' cost weights in prompt tokens, e.g. 'request=16,session=0' "
+                        "(prefill, queued, request, kv, session, adapter; docs/router.md)")
     p.add_argument("--replica-cpus", type=float, default=0.0,
                    help="CPUs Ray reserves per replica (default 0: threads come from --threads)")
     p.add_argument("--ray-cpus", type=int, default=None, help="CPUs the local Ray may schedule (default: all)")

@@ -24,11 +24,11 @@ class KVServeRequestRouter(RequestRouter):
     """Ranks the chosen replica first and the rest after it (Ray Serve falls back to them
     if the first cannot take the request)."""
 
-    def initialize_state(self, policy: str = "kv_aware", weights: dict | None = None, block_size: int = 16):
-        self.policy = make_policy(policy, block_size, RouterWeights(**(weights or {})))
+    def initialize_state(self, policy: str = "kv_aware", weights: str | None = None, block_size: int = 16):
+        self.policy = make_policy(policy, block_size, RouterWeights.parse(weights))
         self.decisions: Counter = Counter()          # (policy, reason) -> count
         self._blocks_seen: dict[str, float] = {}     # replica -> stats time its blocks were read at
-        self._routed: dict[str, deque] = {}          # replica -> wall times of requests sent to it
+        self._routed: dict[str, deque] = {}          # replica -> (wall time, uncached tokens) of requests sent
 
     def _state(self, replica: RunningReplica) -> ReplicaState:
         stats = replica.routing_stats or {}
@@ -38,18 +38,20 @@ class KVServeRequestRouter(RequestRouter):
             self.policy.index.forget(name)
             self.policy.index.record(name, stats["blocks"])    # the replica's cache, as its events left it
             self._blocks_seen[name] = stats.get("time")
-        return ReplicaState(name, int(stats.get("num_running", 0)),
-                            int(stats.get("num_waiting", 0)) + self._routed_since(name, stats.get("time", 0.0)),
+        sent, sent_tokens = self._routed_since(name, stats.get("time", 0.0))
+        return ReplicaState(name, int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)) + sent,
                             float(stats.get("kv_usage", 0.0)), int(stats.get("max_num_seqs", 0)),
-                            frozenset(stats.get("adapters", ())), healthy=bool(stats.get("healthy", True)))
+                            int(stats.get("queued_tokens", 0)) + sent_tokens, frozenset(stats.get("adapters", ())),
+                            healthy=bool(stats.get("healthy", True)))
 
-    def _routed_since(self, name: str, stats_time: float) -> int:
-        """Requests sent to ``name`` after its stats were taken: its stats do not count them yet,
-        and without them every request in a stats period herds onto the same replica."""
+    def _routed_since(self, name: str, stats_time: float) -> tuple[int, int]:
+        """Requests (and their uncached prompt tokens) sent to ``name`` after its stats were
+        taken: its stats do not count them yet, and without them every request in a stats
+        period herds onto the same replica."""
         routed = self._routed.setdefault(name, deque())
-        while routed and (routed[0] <= stats_time or time.time() - routed[0] > STALE_ROUTED_S):
+        while routed and (routed[0][0] <= stats_time or time.time() - routed[0][0] > STALE_ROUTED_S):
             routed.popleft()
-        return len(routed)
+        return len(routed), sum(tokens for _, tokens in routed)
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
@@ -67,7 +69,8 @@ class KVServeRequestRouter(RequestRouter):
         decision = self.policy.choose(states, request)
         self.decisions[(decision.policy, decision.reason)] += 1
         chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)
-        self._routed.setdefault(decision.replica, deque()).append(time.time())
+        uncached = max(0, len(request.token_ids) - decision.cached_tokens)
+        self._routed.setdefault(decision.replica, deque()).append((time.time(), uncached))
         logger.debug("routed to %s (%s, %d/%d blocks cached)", decision.replica, decision.reason,
                      decision.matched_blocks, decision.num_blocks)
         return [[chosen], [r for r in candidate_replicas if r is not chosen]]

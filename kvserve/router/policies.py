@@ -1,33 +1,38 @@
 """Routing policies by name: ``round_robin``, ``least_loaded``, ``prefix_approx``, ``kv_aware``.
 
 Each is ``choose(replicas, request) -> Decision`` over the healthy replicas. The prefix
-policies score every replica as
+policies estimate what placing the request on each replica costs, in prompt tokens of
+prefill (the work that stands between a request and its first token), and take the
+cheapest:
 
-    score = prefix x share - load x (requests it holds, running or waiting)
-            - kv x (KV fraction in use) + session x [the session's last replica]
-            + adapter x [the request's adapter is resident there]
+    cost = prefill x (the request's tokens that replica must compute: not in its cache)
+         + queued  x (prompt tokens waiting there ahead of it)
+         + request x (requests it holds, running or waiting)
+         + kv      x (fraction of its KV in use)
+         - session x [the session's last replica] - adapter x [the request's adapter resident]
 
-where ``share`` is the fraction of the request's blocks cached there, counted only above
-``min_share`` (0.5): a prefix of half the prompt or less (a chat template's default system
-prompt, say) saves at most half its prefill, less than spreading the load is worth, so such
-requests are placed as cold ones. The highest score wins, so with the default weights
-(1, 0.5, 0.25, 0.5, 0.25) a replica holding a request's whole prompt keeps winning over an
-idle one until it holds two more requests (1.0 / 0.5). Measured on this machine, counting
-load per decode slot instead let one replica take every request of a 2-replica cluster
-(8 concurrent conversations, 8 slots: at most 1.0 per slot, worth 0.5 < the prefix's 0.9),
-which doubled TTFT p50 against round robin: an idle replica's compute is worth more than a
-few requests' prefill. A request no replica holds any of (cold), and ties, go to the
-replica with the fewest requests so far (``Spread``), so a burst of new conversations does
-not pile onto one.
-``kv_aware`` reads the replicas' cache events (exact, ``index.py``); ``prefix_approx``
-only its own record of where it sent which prefixes (no events needed, stale after
-evictions).
+Default weights (``RouterWeights``): 1, 1, 32, 64, 64 and 256 tokens. Why 32 per request
+held: a prefill token costs ~5 ms on one core here (135M parameters x 2 FLOP at ~55
+GFLOP/s), and a request already running there shares every step with this one's prefill
+and then with its decode; 32 tokens (~0.16 s) per held request keeps conversations on the
+replica holding their history (a 1,000-token history outweighs 30 held requests) while
+a cold request, which costs the same everywhere, goes to the least busy replica. A share
+of the prompt that every replica holds (a shared system prompt) costs the same
+everywhere and so does not pull. Cold requests and ties go to the replica with the
+fewest requests so far (``Spread``), so a burst of new conversations does not pile onto
+one. Measured (benchmarks/cluster_routing.json): a share-based score (prefix share
+against 0.5 per request held) lost to round robin; this cost in tokens does not.
+``kv_aware`` reads the replicas' cache events (exact, ``index.py``) and, until their next
+report, predicts that a replica holds the prompt blocks of the requests just sent to it
+(``PREDICTION_TTL_S``); ``prefix_approx`` only its own record of where it sent which
+prefixes (no events needed, stale after evictions).
 """
 from __future__ import annotations
 
 import itertools
+import time
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from kvserve.router.index import BlockIndex, request_block_hashes
 from kvserve.router.state import Decision, ReplicaState, RouteRequest
@@ -35,18 +40,31 @@ from kvserve.router.state import Decision, ReplicaState, RouteRequest
 POLICIES = ("round_robin", "least_loaded", "prefix_approx", "kv_aware")
 TIE_EPSILON = 1e-9
 MAX_SESSIONS = 100_000              # session keys remembered (oldest forgotten first)
+PREDICTION_TTL_S = 5.0              # kv_aware: a sent request's blocks count as held until its replica reports
 
 
 @dataclass(frozen=True)
 class RouterWeights:
-    """The prefix policies' score weights (see the module docstring)."""
+    """The prefix policies' cost weights, in prompt tokens (see the module docstring)."""
 
-    prefix: float = 1.0
-    min_share: float = 0.5
-    load: float = 0.5
-    kv: float = 0.25
-    session: float = 0.5
-    adapter: float = 0.25
+    prefill: float = 1.0        # per token of the request the replica must compute
+    queued: float = 1.0         # per prompt token waiting there already
+    request: float = 32.0       # per request it holds (running or waiting)
+    kv: float = 64.0            # at 100% of its KV in use
+    session: float = 64.0       # taken off: the session's last replica
+    adapter: float = 256.0      # taken off: the request's LoRA adapter is resident there
+
+    @classmethod
+    def parse(cls, text: str | None) -> "RouterWeights":
+        """From ``"prefill=1,request=16"`` (unnamed weights keep their defaults)."""
+        values = {}
+        for item in filter(None, (part.strip() for part in (text or "").split(","))):
+            name, _, value = item.partition("=")
+            if name.strip() not in cls.__dataclass_fields__:
+                raise ValueError(f"unknown router weight {name.strip()!r}; known: "
+                                 f"{', '.join(cls.__dataclass_fields__)}")
+            values[name.strip()] = float(value)
+        return cls(**values)
 
 
 class NoReplicaError(RuntimeError):
@@ -102,50 +120,51 @@ class LeastLoaded:
 
 
 class PrefixAware:
-    """Most cached blocks, load considered (the module docstring's score). ``learn``: record
-    each choice in the index (``prefix_approx``); otherwise the runtime feeds the index
-    with the replicas' cache events (``kv_aware``)."""
+    """The cheapest replica by the module docstring's cost. ``learn``: record each choice in
+    the index (``prefix_approx``); otherwise the runtime feeds the index with the replicas'
+    cache events (``kv_aware``) and each choice is a prediction until they report."""
 
-    def __init__(self, name: str, block_size: int, weights: RouterWeights, index: BlockIndex, learn: bool):
+    def __init__(self, name: str, block_size: int, weights: RouterWeights, index: BlockIndex, learn: bool,
+                 clock: Callable[[], float] = time.monotonic):
         self.name, self.block_size, self.weights = name, block_size, weights
-        self.index, self.learn = index, learn
+        self.index, self.learn, self.clock = index, learn, clock
         self.spread = Spread()
         self.sessions: dict[str, str] = {}      # session key -> the replica it last went to
 
-    def counted_share(self, matched: int, num_blocks: int) -> float:
-        """The cached share of the request's blocks, 0 unless above ``min_share``."""
-        share = matched / num_blocks if num_blocks else 0.0
-        return share if share > self.weights.min_share else 0.0
-
-    def score(self, replica: ReplicaState, matched: int, num_blocks: int, request: RouteRequest) -> float:
-        """The module docstring's score of ``replica`` for ``request``."""
+    def cost(self, replica: ReplicaState, matched_blocks: int, request: RouteRequest) -> float:
+        """The module docstring's cost of placing ``request`` on ``replica``, in prompt tokens."""
         w = self.weights
-        cached = self.counted_share(matched, num_blocks)
+        uncached = max(0, len(request.token_ids) - matched_blocks * self.block_size)
         session = request.session_key is not None and self.sessions.get(request.session_key) == replica.name
         adapter = request.namespace.adapter_id
         resident = adapter is not None and adapter in replica.resident_adapters
-        return (w.prefix * cached - w.load * (replica.num_running + replica.num_waiting) - w.kv * replica.kv_usage
-                + w.session * session + w.adapter * resident)
+        return (w.prefill * uncached + w.queued * replica.queued_tokens
+                + w.request * (replica.num_running + replica.num_waiting) + w.kv * replica.kv_usage
+                - w.session * session - w.adapter * resident)
 
     def choose(self, replicas: Sequence[ReplicaState], request: RouteRequest) -> Decision:
         healthy = _healthy(replicas)
+        now = self.clock()
+        self.index.expire_predictions(now)
         hashes = request_block_hashes(request.token_ids, request.namespace, self.block_size)
         matched = {r.name: self.index.prefix_length(r.name, hashes) for r in healthy}
-        scores = {r.name: self.score(r, matched[r.name], len(hashes), request) for r in healthy}
-        best = max(scores.values())
-        tied = [r for r in healthy if scores[r.name] >= best - TIE_EPSILON]
+        costs = {r.name: self.cost(r, matched[r.name], request) for r in healthy}
+        best = min(costs.values())
+        tied = [r for r in healthy if costs[r.name] <= best + TIE_EPSILON]
         chosen = self.spread.pick(tied)
-        reason = self._reason(chosen, self.counted_share(matched[chosen.name], len(hashes)) > 0, request,
-                              len(tied) > 1)
+        reason = self._reason(chosen.name, matched, request, len(tied) > 1)
         if self.learn:
             self.index.record(chosen.name, hashes)
+        else:
+            self.index.predict(chosen.name, hashes, now + PREDICTION_TTL_S)
         self._remember_session(request.session_key, chosen.name)
-        return Decision(chosen.name, self.name, reason, matched[chosen.name], len(hashes))
+        return Decision(chosen.name, self.name, reason, matched[chosen.name], len(hashes),
+                        matched[chosen.name] * self.block_size)
 
-    def _reason(self, chosen: ReplicaState, by_prefix: bool, request: RouteRequest, tied: bool) -> str:
-        if by_prefix:
+    def _reason(self, chosen: str, matched: dict[str, int], request: RouteRequest, tied: bool) -> str:
+        if matched[chosen] > min(matched.values()):
             return "prefix"
-        if request.session_key is not None and self.sessions.get(request.session_key) == chosen.name:
+        if request.session_key is not None and self.sessions.get(request.session_key) == chosen:
             return "session"
         return "spread" if tied else "least_loaded"
 

@@ -10,15 +10,17 @@ from kvserve.engine.kv.cache_events import CacheNamespace
 class ReplicaState:
     """One replica as the router last heard of it (its engine's stats and health).
 
-    ``kv_usage``: fraction of its KV blocks held by running sequences; ``max_num_seqs``:
-    its decode slots (0: unknown); ``healthy``: False while its circuit breaker is open
-    (such a replica is never chosen)."""
+    ``kv_usage``: fraction of its KV blocks held by running sequences; ``queued_tokens``:
+    prompt tokens of its waiting requests (an upper bound: their cached prefixes are not
+    subtracted); ``max_num_seqs``: its decode slots (0: unknown); ``healthy``: False while
+    its circuit breaker is open (such a replica is never chosen)."""
 
     name: str
     num_running: int = 0
     num_waiting: int = 0
     kv_usage: float = 0.0
     max_num_seqs: int = 0
+    queued_tokens: int = 0
     resident_adapters: frozenset[str] = field(default_factory=frozenset)
     healthy: bool = True
 
@@ -42,13 +44,14 @@ class RouteRequest:
 @dataclass(frozen=True)
 class Decision:
     """Where a request goes and why: ``reason`` is one of ``round_robin``,
-    ``least_loaded``, ``prefix`` (most cached blocks, load considered), ``session`` (its
-    session's replica), ``spread`` (a cold request or a tie, to the least used replica);
-    ``matched_blocks`` of the request's ``num_blocks`` full blocks are cached there as far
-    as the router knows."""
+    ``least_loaded``, ``prefix`` (it holds more of the prompt than some other replica),
+    ``session`` (its session's replica), ``spread`` (a tie, to the least used replica);
+    ``matched_blocks`` of the request's ``num_blocks`` full blocks (``cached_tokens``
+    prompt tokens) are cached there as far as the router knows."""
 
     replica: str
     policy: str
     reason: str
     matched_blocks: int = 0
     num_blocks: int = 0
+    cached_tokens: int = 0

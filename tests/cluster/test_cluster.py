@@ -28,7 +28,8 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 @pytest.fixture(scope="module")
 def cluster():
     # a chat TTFT SLO no CPU meets and 1 s dwells: the degradation ladder climbs during the module
-    with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", "--chat-ttft-slo", "0.05",
+    with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", "--router-weights", "request=32",
+                       "--chat-ttft-slo", "0.05",
                        "--ladder-dwell-s", "1", command=("cluster", "serve"), startup_timeout_s=420) as proc:
         yield proc
 

@@ -66,16 +66,19 @@ def test_least_loaded_prefers_free_slots_and_spreads_ties():
 
 def test_kv_aware_goes_where_the_prefix_is_until_the_load_outweighs_it():
     policy = make_policy("kv_aware", block_size=BS)
-    prompt = list(range(16))                             # 4 blocks
+    prompt = list(range(256))                            # 64 blocks
     policy.index.record("b", request_block_hashes(prompt, NS, BS))
     replicas = _replicas("a", "b")
     decision = policy.choose(replicas, _request(prompt + [99]))
-    assert (decision.replica, decision.reason, decision.matched_blocks, decision.num_blocks) == ("b", "prefix", 4, 4)
-    # whole prompt cached (score +1.0) against 0.5 per request held: b wins while it holds under 2 more
-    replicas[1].num_running = 1                          # 1 - 0.5 > 0
-    assert policy.choose(replicas, _request(prompt)).replica == "b"
-    replicas[1].num_waiting = 2                          # 1 - 1.5 < 0
-    assert policy.choose(replicas, _request(prompt)).replica == "a"
+    assert (decision.replica, decision.reason, decision.matched_blocks, decision.num_blocks) == ("b", "prefix", 64, 64)
+    assert decision.cached_tokens == 256
+    # costs in prompt tokens: a computes 257, b computes 1 + 32 per request it holds
+    replicas[1].num_running = 7                          # 1 + 224 < 257
+    assert policy.choose(replicas, _request(prompt + [99])).replica == "b"
+    replicas[1].num_running, replicas[0].queued_tokens = 10, 100   # prompt tokens queued at a count as work
+    assert policy.choose(replicas, _request(prompt + [99])).replica == "b"     # 1 + 320 < 257 + 100
+    replicas[1].num_running, replicas[0].queued_tokens = 9, 0
+    assert policy.choose(replicas, _request(prompt + [99])).replica == "a"     # 1 + 288 > 257
 
 
 def test_cold_requests_spread_and_other_namespaces_never_match():
@@ -84,9 +87,25 @@ def test_cold_requests_spread_and_other_namespaces_never_match():
     policy.index.record("a", request_block_hashes(prompt, NS, BS))
     replicas = _replicas("a", "b", "c")
     bob = CacheNamespace(cache_salt="tenant:bob")
-    decisions = [policy.choose(replicas, _request(prompt, namespace=bob)) for _ in range(3)]
+    decisions = [policy.choose(replicas, _request([n] * 16, namespace=bob)) for n in range(3)]
     assert sorted(d.replica for d in decisions) == ["a", "b", "c"]
     assert all(d.matched_blocks == 0 and d.reason == "spread" for d in decisions)
+
+
+def test_kv_aware_predicts_the_blocks_of_requests_just_sent_until_the_replica_reports():
+    now = [0.0]
+    policy = make_policy("kv_aware", block_size=BS)
+    policy.clock = lambda: now[0]
+    replicas = _replicas("a", "b")
+    system = list(range(64))                             # a new system prompt, 16 blocks, sent twice at once
+    first = policy.choose(replicas, _request(system + [1] * 4))
+    second = policy.choose(replicas, _request(system + [2] * 4))
+    assert (second.replica, second.reason, second.matched_blocks) == (first.replica, "prefix", 16)
+    policy.index.forget(first.replica)                  # a report that does not hold them yet: still predicted
+    assert policy.choose(replicas, _request(system + [3] * 4)).replica == first.replica
+    now[0] = 60.0                                        # long expired, and never reported: cold again
+    late = [policy.choose(replicas, _request(system + [n] * 4)) for n in (4, 5)]
+    assert late[0].matched_blocks == 0 and late[0].reason == "spread"
 
 
 def test_session_key_and_resident_adapter_pull_toward_a_replica():
@@ -123,13 +142,17 @@ def test_unhealthy_replicas_are_never_chosen_and_none_left_is_an_error():
         make_policy("random")
 
 
-def test_weights_are_configurable():
-    policy = make_policy("kv_aware", block_size=BS, weights=RouterWeights(prefix=1.0, load=2.0))
-    prompt = list(range(16))
-    policy.index.record("b", request_block_hashes(prompt, NS, BS))
+def test_weights_are_configurable_and_parse_from_the_command_line():
+    prompt = list(range(16))                             # b holds all 16 tokens and runs 1 request
     replicas = _replicas("a", "b")
-    replicas[1].num_running = 1                          # 1 request x 2.0 = 2.0 > 1.0 of prefix
-    assert policy.choose(replicas, _request(prompt)).replica == "a"
+    replicas[1].num_running = 1
+    for weights, expected in (("request=8", "b"), ("request=32", "a"), (None, "a")):
+        policy = make_policy("kv_aware", block_size=BS, weights=RouterWeights.parse(weights))
+        policy.index.record("b", request_block_hashes(prompt, NS, BS))
+        assert policy.choose(replicas, _request(prompt)).replica == expected, weights
+    assert RouterWeights.parse("prefill=2, session=0") == RouterWeights(prefill=2.0, session=0.0)
+    with pytest.raises(ValueError, match="unknown router weight 'load'"):
+        RouterWeights.parse("load=1")
 
 
 def test_the_engine_loop_ships_cache_block_hashes_that_rebuild_the_cached_set():
@@ -169,16 +192,27 @@ def test_the_engine_loop_ships_cache_block_hashes_that_rebuild_the_cached_set():
     assert len(held) == cache.num_cached_blocks == 4
 
 
-def test_a_prefix_of_half_the_prompt_or_less_does_not_pull():
+def test_a_prefix_every_replica_holds_does_not_pull_and_a_partial_one_pulls_by_its_tokens():
     policy = make_policy("kv_aware", block_size=BS)
-    template = list(range(4))                            # one shared block (a default system prompt, say)
-    policy.index.record("a", request_block_hashes(template, NS, BS))
+    template = list(range(40))                           # 10 blocks: a shared system prompt, say
+    for name in ("a", "b"):
+        policy.index.record(name, request_block_hashes(template, NS, BS))
     replicas = _replicas("a", "b")
-    decisions = [policy.choose(replicas, _request(template + [n] * 8)) for n in range(4)]   # 1 of 3 blocks
+    decisions = [policy.choose(replicas, _request(template + [n] * 8)) for n in range(4)]
     assert sorted(d.replica for d in decisions) == ["a", "a", "b", "b"]
-    assert all(d.reason == "spread" for d in decisions)
-    half = policy.choose(replicas, _request(template + [9] * 4))                           # 1 of 2 blocks
-    assert half.reason == "spread"
-    policy.index.record("b", request_block_hashes(template + [9] * 4, NS, BS))
-    most = policy.choose(replicas, _request(template + [9] * 8))                           # 2 of 3 blocks
-    assert (most.replica, most.reason) == ("b", "prefix")
+    assert all(d.reason == "spread" and d.matched_blocks == 10 for d in decisions)
+    policy.index.record("a", request_block_hashes(template + [7] * 40, NS, BS))   # a also holds a 40-token turn
+    replicas[0].num_running = 1                          # 32 for the request it runs < 40 tokens saved
+    held = policy.choose(replicas, _request(template + [7] * 40 + [8] * 4))
+    assert (held.replica, held.reason, held.matched_blocks) == ("a", "prefix", 20)
+    replicas[0].num_running = 2                          # 64 > 40
+    assert policy.choose(replicas, _request(template + [7] * 40 + [9] * 4)).replica == "b"
+
+
+def test_cluster_serve_checks_router_weights_when_parsing():
+    from kvserve.cli import build_parser
+    parser = build_parser()
+    args = parser.parse_args(["cluster", "serve", "--router-weights", "request=16,session=0"])
+    assert RouterWeights.parse(args.router_weights) == RouterWeights(request=16.0, session=0.0)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["cluster", "serve", "--router-weights", "load=1"])
