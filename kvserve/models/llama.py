@@ -12,7 +12,7 @@ from torch import nn
 from kvserve.attention.metadata import AttentionMetadata
 from kvserve.config import ModelConfig
 from kvserve.models.layers import RMSNorm, RotaryEmbedding, SwiGLUMLP, apply_rotary_, put_param, take_tensors
-from kvserve.models.projection import Projection
+from kvserve.models.projection import Projection, module_weight_bytes
 
 
 class LlamaAttention(nn.Module):
@@ -123,8 +123,7 @@ class LlamaForCausalLM(nn.Module):
 
     def weight_bytes(self) -> int:
         """Bytes of all weights, packed copies included."""
-        params = sum(p.numel() * p.element_size() for p in self.parameters())
-        return params + sum(m.packed_bytes for m in self.modules() if isinstance(m, Projection))
+        return module_weight_bytes(self)
 
     def decode_read_bytes(self) -> int:
         """Weight bytes one decode step streams: everything but the embedding table

@@ -132,3 +132,9 @@ class Projection(nn.Module):
             if rows.stop > rows.start:
                 out[rows].addmm_(x[rows], weight)
         return out
+
+
+def module_weight_bytes(module: nn.Module) -> int:
+    """Bytes of ``module``'s parameters and of its projections' packed copies."""
+    params = sum(p.numel() * p.element_size() for p in module.parameters())
+    return params + sum(m.packed_bytes for m in module.modules() if isinstance(m, Projection))

@@ -23,7 +23,7 @@ from kvserve.config import MoEConfig, ModelConfig
 from kvserve.models.layers import SwiGLUMLP, put_param, take_tensors
 from kvserve.models.llama import LlamaForCausalLM
 from kvserve.models.moe import GroupedExperts, LocalDispatcher
-from kvserve.models.projection import Projection
+from kvserve.models.projection import module_weight_bytes
 
 
 class Qwen2MoeSparseBlock(nn.Module):
@@ -80,12 +80,6 @@ class Qwen2MoeSparseBlock(nn.Module):
             put_param(self, "shared_expert_gate", take_tensors(tensors, prefix + "shared_expert_gate.weight"))
 
 
-def _module_bytes(module: nn.Module) -> int:
-    """Bytes of a module's parameters and of its projections' packed copies."""
-    params = sum(p.numel() * p.element_size() for p in module.parameters())
-    return params + sum(m.packed_bytes for m in module.modules() if isinstance(m, Projection))
-
-
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     """``LlamaForCausalLM`` with :class:`Qwen2MoeSparseBlock` MLPs in the sparse layers."""
 
@@ -111,5 +105,5 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
         unread = 0
         for block in self.sparse_blocks().values():
             experts = block.experts.experts
-            unread += sum(_module_bytes(e) for e in experts) * (len(experts) - block.top_k) // len(experts)
+            unread += sum(module_weight_bytes(e) for e in experts) * (len(experts) - block.top_k) // len(experts)
         return super().decode_read_bytes() - unread
