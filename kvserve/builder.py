@@ -19,6 +19,7 @@ import logging
 
 import torch
 
+from kvserve.attention import get_backend
 from kvserve.engine.bandwidth import measure_copy_bandwidth
 from kvserve.engine.config import EngineConfig, resolve
 from kvserve.engine.cpu_dtype import pick_cpu_dtype
@@ -93,8 +94,39 @@ def build_constraints(model_path: str, vocab_size: int):
 
 
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
-    """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again."""
-    from kvserve.attention import get_backend
+    """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again.
+    With ``tensor_parallel_size`` > 1 the workers of ranks 1..N-1 are started here and
+    stopped by ``EngineCore.close`` (or if the build fails)."""
+    from kvserve.loader import load_checkpoint
+    from kvserve.parallel.auto import pick_tensor_parallel
+
+    tp_asked = config.tensor_parallel_size not in (1, "1")
+    checkpoint = checkpoint or load_checkpoint(config.model, () if tp_asked else direct_types(config.quantization))
+    mc = checkpoint.config
+    resolved = resolve(config, mc, torch.cuda.is_available(), pick_cpu_dtype=pick_cpu_dtype,
+                       pick_tensor_parallel=pick_tensor_parallel)
+    logger.info("dtype %s (%s)", resolved.dtype, resolved.dtype_reason)
+    spec = speculative_config(config.speculative)
+    launch = None
+    if resolved.tensor_parallel_size > 1:
+        from kvserve.parallel.build import TensorParallelLaunch, check_layout
+        check_layout(resolved, mc, spec.method if spec else None)
+    if resolved.num_threads:
+        torch.set_num_threads(resolved.num_threads)
+    device = torch.device(resolved.device)
+    bandwidth = measure_copy_bandwidth(device)     # once, for both models' bs=1 bound
+    if resolved.tensor_parallel_size > 1:
+        launch = TensorParallelLaunch(config.model, resolved, bandwidth)
+    try:
+        return _build_parts(config, resolved, checkpoint, spec, bandwidth, launch)
+    except BaseException:
+        if launch is not None:
+            launch.abort()
+        raise
+
+
+def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: float, launch) -> EngineCore:
+    """The engine's parts, built and injected (``launch``: the tensor-parallel ranks, or None)."""
     from kvserve.loader import load_checkpoint
     from kvserve.sampling.sampler import Sampler
     from kvserve.speculative.proposer import ProposerContext
@@ -102,17 +134,12 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     from kvserve.speculative.speculator import build_speculator
     from kvserve.speculative.verify import Verifier
 
-    checkpoint = checkpoint or load_checkpoint(config.model, direct_types(config.quantization))
     mc = checkpoint.config
-    resolved = resolve(config, mc, torch.cuda.is_available(), pick_cpu_dtype=pick_cpu_dtype)
-    logger.info("dtype %s (%s)", resolved.dtype, resolved.dtype_reason)
-    spec = speculative_config(config.speculative)
     entry = proposer_entry(spec.method) if spec else None
-    if resolved.num_threads:
-        torch.set_num_threads(resolved.num_threads)
     device, dtype = torch.device(resolved.device), torch_dtype(resolved.dtype)
-    bandwidth = measure_copy_bandwidth(device)     # once, for both models' bs=1 bound
-    model = load_model(checkpoint, device, dtype, resolved.quantization, bandwidth)
+    model = load_model(checkpoint, device, dtype, resolved.quantization, bandwidth,
+                       transform=launch.shard if launch else None)
+    rank_config = model.rank_config if launch else mc      # the heads this process's KV cache holds
     draft_path = entry.draft_model_path(spec) if entry else None
     draft = (load_model(load_checkpoint(draft_path, direct_types(resolved.quantization)), device, dtype,
                         resolved.quantization, bandwidth) if draft_path else None)
@@ -122,7 +149,11 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
         adapters, batch = build_lora(resolved.lora, model, mc, device, dtype)
     budget = resolved.kv_cache_bytes or default_kv_budget_bytes(
         device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
-    kv_plan, kv_cache = build_kv_cache(resolved, mc, draft, budget, device, dtype)
+    if launch is not None:          # the replica's budget, split over its ranks
+        budget //= resolved.tensor_parallel_size
+    kv_plan, kv_cache = build_kv_cache(resolved, rank_config, draft, budget, device, dtype)
+    if launch is not None:
+        launch.share_kv_plan(kv_plan)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)
     kv = KVCacheManager(pool, PrefixCache(pool) if resolved.enable_prefix_cache else None)
     step_time = LinearTimeModel()
@@ -130,10 +161,11 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
                           build_policy(resolved, step_time))
     sampler = Sampler(seed=resolved.seed)
     verifier = Verifier(sampler, resolved.seed, device) if spec else None
-    backend = get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+    backend = get_backend(resolved.attention_backend, rank_config.num_heads, rank_config.num_kv_heads,
+                          rank_config.head_dim)
     constraints = build_constraints(config.model, mc.vocab_size)
-    runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch,
-                         constraints)
+    runner = (launch.runner if launch else ModelRunner)(model, kv_cache, backend, resolved.block_size, device,
+                                                        sampler, verifier, batch, constraints)
     speculator = None
     if spec:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,

@@ -63,6 +63,9 @@ class EngineConfig:
     # served within the policy's classes; tenant_weights: {tenant: weight > 0}, others 1.
     fair_share: bool = False
     tenant_weights: dict | None = None
+    # Tensor parallelism (kvserve.parallel): ranks of this replica, or "auto" (the smallest
+    # that fits, by the planner's memory functions; 1 on CPU).
+    tensor_parallel_size: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -86,6 +89,8 @@ class ResolvedConfig:
     scheduling_policy: str = "slo"        # "slo" or "fcfs"
     slo: SloPolicySettings | None = None  # the SLO policy's settings (None for fcfs)
     fair_share: FairShareSettings | None = None   # None: fair sharing off
+    tensor_parallel_size: int = 1         # ranks of this replica (kvserve.parallel)
+    tensor_parallel_reason: str = ""      # why (logged at start)
 
 
 @dataclass(frozen=True)
@@ -99,11 +104,13 @@ class LoRASettings:
 
 
 def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
-            pick_cpu_dtype=None) -> ResolvedConfig:
+            pick_cpu_dtype=None, pick_tensor_parallel=None) -> ResolvedConfig:
     """Fill the auto values: device (CUDA if there is one), dtype (bf16 on GPU; on CPU
     ``pick_cpu_dtype()`` -> (name, reason), fp32 without one), KV dtype (the compute
-    dtype), context (the checkpoint's, never more). Raises ``InvalidRequestError`` for a
-    setting that cannot work."""
+    dtype), context (the checkpoint's, never more), tensor-parallel size ("auto":
+    ``pick_tensor_parallel(model, device, dtype, kv dtype, context, block size, token
+    budget, seqs)`` -> (size, reason)). Raises ``InvalidRequestError`` for a setting that
+    cannot work."""
     check_grace_s(config.prefix_cache_grace_s)
     device = ("cuda" if cuda_available else "cpu") if config.device == "auto" else config.device
     dtype, reason = resolve_dtype(config.dtype, device, pick_cpu_dtype)
@@ -115,7 +122,9 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
         if getattr(config, name) < 1:
             raise InvalidRequestError(f"{name} must be >= 1", param=name)
     max_model_len = min(config.max_model_len or model.max_position_embeddings, model.max_position_embeddings)
-    return ResolvedConfig(lora=resolve_lora(config),
+    tp, tp_reason = resolve_tensor_parallel(config, model, device, dtype, kv_dtype, max_model_len,
+                                            pick_tensor_parallel)
+    return ResolvedConfig(lora=resolve_lora(config), tensor_parallel_size=tp, tensor_parallel_reason=tp_reason,
         device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=config.kv_cache_bytes,
         block_size=config.block_size, num_threads=config.num_threads,
         attention_backend=config.attention_backend, seed=config.seed,
@@ -125,6 +134,34 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
         quantization=config.quantization, kv_cache_dtype=kv_dtype, dtype_reason=reason,
         scheduling_policy=config.scheduling_policy, slo=resolve_slo(config),
         fair_share=resolve_fair_share(config))
+
+
+def parse_tensor_parallel_size(text: str) -> int | str:
+    """A ``--tensor-parallel-size`` value: "auto" or an integer >= 1 (argparse type)."""
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"--tensor-parallel-size takes an integer >= 1 or 'auto', not {text!r}")
+    return int(text)
+
+
+def resolve_tensor_parallel(config: EngineConfig, model: ModelConfig, device: str, dtype: str, kv_dtype: str,
+                            max_model_len: int, pick=None) -> tuple[int, str]:
+    """(ranks, why): as configured (an int >= 1), or "auto" by ``pick`` (1 without one)."""
+    size = config.tensor_parallel_size
+    if size == "auto":
+        if pick is None:
+            return 1, "auto: no picker given"
+        return pick(model, device, dtype, kv_dtype, max_model_len, config.block_size,
+                    config.max_num_batched_tokens, config.max_num_seqs)
+    try:
+        size = int(size)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1:
+        raise InvalidRequestError(f"tensor_parallel_size must be an integer >= 1 or 'auto', not "
+                                  f"{config.tensor_parallel_size!r}", param="tensor_parallel_size")
+    return size, "as configured"
 
 
 def resolve_fair_share(config: EngineConfig) -> FairShareSettings | None:

@@ -157,6 +157,10 @@ class EngineCore:
             self.speculator.observe(plan, result, updates)
         return updates
 
+    def close(self) -> None:
+        """Release what the runner started (a tensor-parallel runner's worker ranks)."""
+        self.runner.close()
+
     # ---------------------------------------------------------------- adapters
     def load_adapter(self, name: str, path: str) -> dict:
         """Load a PEFT LoRA folder as ``name`` (a clear ``AdapterLoadError`` if it cannot

@@ -17,12 +17,14 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantization: str = "none",
-               bandwidth: float | None = None):
+               bandwidth: float | None = None, transform=None):
     """Build the checkpoint's architecture, load its tensors, move it to ``device`` in
     ``dtype`` (rotary tables stay fp32), quantise its decoder projections
     (``quantization`` "int8" / "int4", ``kvserve.quant``) and pack the float ones for
     that device. The checkpoint's tensors are released as they are consumed. The log's
-    bs=1 bound uses ``bandwidth`` (bytes/s; measured here when None)."""
+    bs=1 bound uses ``bandwidth`` (bytes/s; measured here when None). ``transform``
+    (model -> model, e.g. a tensor-parallel shard) runs on the plain model on its device,
+    before quantisation and packing."""
     from kvserve.engine.bandwidth import decode_bound_text, measure_copy_bandwidth
     from kvserve.models.registry import build_model
 
@@ -31,6 +33,8 @@ def load_model(checkpoint, device: torch.device, dtype: torch.dtype, quantizatio
     checkpoint.tensors = {}
     model = model.to(device=device, dtype=dtype).eval()
     model.rotary.float()
+    if transform is not None:
+        model = transform(model)
     sources = {}
     if quantization != "none":
         from kvserve.quant.transform import quantize_projections

@@ -56,7 +56,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(items, hidden)
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
-        logits = self.model.compute_logits(hidden[sample_rows])                   # [rows, vocab]
+        logits = self.logits(hidden[sample_rows])                                 # [rows, vocab]
         rows, groups = self._sampling_rows(to_sample, masks)
         if groups:
             samples, accepted, final = self.verifier(logits, rows, groups)
@@ -98,7 +98,15 @@ class ModelRunner:
         hidden, sample_rows = self._forward(self.batch_context.order(plan.scheduled))
         if sample_rows.numel() == 0:
             return None
-        return self.model.compute_logits(hidden[sample_rows])
+        return self.logits(hidden[sample_rows])
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden]`` (the one
+        place the runner projects onto the vocabulary)."""
+        return self.model.compute_logits(hidden)
+
+    def close(self) -> None:
+        """Release what the runner started (nothing here; ranks of a parallel runner)."""
 
     def _forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states of every token ``[T, hidden]`` (rows in ``items`` order)
@@ -125,7 +133,7 @@ class ModelRunner:
                 entries: list[SampledToken] = []
                 for lo in range(0, count, rows_per_pass):       # bounded [rows, vocab] memory
                     hi = min(count, lo + rows_per_pass)
-                    chosen, tops = token_logprobs(self.model.compute_logits(hidden[row + lo:row + hi]),
+                    chosen, tops = token_logprobs(self.logits(hidden[row + lo:row + hi]),
                                                   torch.tensor(targets[lo:hi], device=self.device),
                                                   s.params.prompt_logprobs)
                     entries.extend(SampledToken(t, v, top) for t, v, top in zip(targets[lo:hi], chosen, tops))

@@ -6,6 +6,8 @@ import json
 import logging
 import sys
 
+from kvserve.engine.config import parse_tensor_parallel_size
+
 
 def register(subparsers) -> None:
     """Add the ``generate`` subcommand."""
@@ -27,6 +29,8 @@ def register(subparsers) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all cores)")
+    p.add_argument("--tensor-parallel-size", type=parse_tensor_parallel_size, default=1, metavar="N|auto",
+                   help="ranks of the model (processes on CPU, GPUs on CUDA); --threads is per rank")
     p.add_argument("--dtype", default="auto", help="float32 | bfloat16 | float16 | auto")
     p.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
                    help="weight-only quantisation of the projections")
@@ -63,7 +67,7 @@ def run(args) -> int:
         llm = LLM(args.model, kv_cache_bytes=kv_bytes, max_num_seqs=args.max_num_seqs,
                   max_num_batched_tokens=args.max_num_batched_tokens, num_threads=args.threads,
                   enable_prefix_cache=args.prefix_cache, dtype=args.dtype, quantization=args.quantization,
-                  kv_cache_dtype=args.kv_cache_dtype)
+                  kv_cache_dtype=args.kv_cache_dtype, tensor_parallel_size=args.tensor_parallel_size)
         params = SamplingParams(n=args.n, max_tokens=args.max_tokens, temperature=args.temperature,
                                 top_p=args.top_p, top_k=args.top_k, min_p=args.min_p, seed=args.seed,
                                 stop=args.stop)

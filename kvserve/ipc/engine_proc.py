@@ -234,6 +234,8 @@ def serve(sock: socket.socket) -> int:
         loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):
         logger.info("HTTP process gone; engine exiting")
+    finally:
+        engine.close()
     return 0
 
 

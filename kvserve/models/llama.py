@@ -94,6 +94,13 @@ class LlamaForCausalLM(nn.Module):
         What is the same for every layer (rotary cos/sin of the positions, the
         backend's attention layout) is computed once here."""
         x = F.embedding(input_ids, self.embed_tokens)                    # a fresh tensor: updated in place
+        return self.forward_embedded(x, positions, kv_cache, backend, meta)
+
+    def forward_embedded(self, x: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                         backend, meta: AttentionMetadata) -> torch.Tensor:
+        """The decoder after the embedding lookup: token embeddings ``x [T, hidden]`` (a
+        fresh tensor, updated in place) -> final hidden states ``[T, hidden]``. A
+        vocabulary-parallel embedding (``kvserve.parallel``) enters here."""
         rope = self.rotary.cos_sin(positions, x.dtype)
         step = backend.prepare(meta, kv_cache)
         for index, layer in enumerate(self.layers):

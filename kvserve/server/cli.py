@@ -7,6 +7,8 @@ import logging
 import os
 import sys
 
+from kvserve.engine.config import parse_tensor_parallel_size
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 
 def register(subparsers) -> None:
@@ -34,6 +36,9 @@ def register(subparsers) -> None:
     eng.add_argument("--max-num-batched-tokens", type=int, default=1024)
     eng.add_argument("--max-model-len", type=int, default=None)
     eng.add_argument("--threads", type=int, default=None, help="engine torch threads (default: all cores)")
+    eng.add_argument("--tensor-parallel-size", type=parse_tensor_parallel_size, default=1, metavar="N|auto",
+                     help="ranks of the model (processes on CPU, GPUs on CUDA); --threads is per rank; "
+                          "auto: the smallest that fits (docs/parallelism.md)")
     eng.add_argument("--engine-cpus", default=None, help="pin the engine process to these CPUs, e.g. 0 or 0-1")
     eng.add_argument("--http-cpus", default=None, help="pin the HTTP process to these CPUs")
     eng.add_argument("--device", default="auto")
@@ -134,6 +139,7 @@ def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] 
             "kv_cache_bytes": int(args.kv_cache_gib * 2**30) if args.kv_cache_gib else None,
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
+            "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
             "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus),
             **scheduling_config(args), **lora_config(args, base_aliases)}

@@ -1,0 +1,71 @@
+"""Starting a tensor-parallel replica from the composition root (``kvserve.builder``):
+the workers, rank 0's group, the shard transform and the driving runner."""
+from __future__ import annotations
+
+import logging
+
+from kvserve.errors import InvalidRequestError
+from kvserve.parallel.group import RankGroup, open_store
+from kvserve.parallel.ranks import RankSpec, start_workers
+from kvserve.parallel.runner import TensorParallelRunner
+from kvserve.parallel.tensor_parallel import TensorParallelModel, check_tensor_parallel
+
+logger = logging.getLogger("kvserve.parallel")
+
+
+def check_layout(resolved, model_config, speculative_method: str | None) -> None:
+    """Refuse, with the reason, what this tensor-parallel layout cannot run."""
+    tp = resolved.tensor_parallel_size
+    check_tensor_parallel(model_config, tp)
+    if tp == 1:
+        return
+    if resolved.lora is not None:
+        raise InvalidRequestError("LoRA adapters are not sharded across tensor-parallel ranks yet: "
+                                  "use tensor_parallel_size 1 with LoRA", param="tensor_parallel_size")
+    if speculative_method == "self":
+        raise InvalidRequestError("self-speculation drafts with the target's own (sharded) layers: use "
+                                  "ngram or a draft model with tensor parallelism", param="speculative")
+    if resolved.quantization != "none":
+        raise InvalidRequestError("weight quantisation of tensor-parallel shards is not supported yet",
+                                  param="quantization")
+
+
+class TensorParallelLaunch:
+    """Ranks 1..N-1 started, rank 0's group joined; ``shard`` is the load transform,
+    ``share_kv_plan`` sends rank 0's KV sizing, ``runner`` builds the driving runner."""
+
+    def __init__(self, model_path: str | None, resolved, bandwidth: float):
+        tp = resolved.tensor_parallel_size
+        store, store_path = open_store(tp)
+        spec = RankSpec(model_path, resolved.device, resolved.dtype, resolved.quantization,
+                        resolved.kv_cache_dtype, resolved.block_size, resolved.attention_backend,
+                        resolved.num_threads, tp, store_path, bandwidth)
+        self.workers = start_workers(spec)
+        try:
+            self.group = RankGroup(store, 0, tp, resolved.device)
+        except Exception:
+            self._terminate()
+            raise
+        logger.info("tensor parallel: %d ranks (%s), gloo/NCCL on 127.0.0.1, rendezvous file %s", tp,
+                    resolved.tensor_parallel_reason, store_path)
+
+    def shard(self, model) -> TensorParallelModel:
+        """Rank 0's shard of the loaded plain model."""
+        return TensorParallelModel(model, self.group)
+
+    def share_kv_plan(self, kv_plan) -> None:
+        """Every rank allocates ``kv_plan.num_blocks`` blocks of its own KV heads."""
+        self.group.broadcast_object(kv_plan)
+
+    def runner(self, *args, **kwargs) -> TensorParallelRunner:
+        """The runner on rank 0 that drives the others (``ModelRunner``'s arguments)."""
+        return TensorParallelRunner(*args, group=self.group, workers=self.workers, **kwargs)
+
+    def _terminate(self) -> None:
+        for proc in self.workers:
+            proc.terminate()
+            proc.wait(10)
+
+    def abort(self) -> None:
+        """Stop the workers after a failed start."""
+        self._terminate()

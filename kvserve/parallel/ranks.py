@@ -1,0 +1,154 @@
+"""The worker processes of ranks 1..N-1 of a tensor-parallel replica, and the commands
+rank 0 (the engine process) sends them.
+
+Rank 0 owns the scheduler; every step it broadcasts what the runner needs to build the
+same tensors (``RankWork``: token ids, positions, block tables — not the requests'
+sampling state), then every rank runs the same forward. Commands::
+
+    ("forward", [RankWork])    build inputs, run the forward (hidden states stay on rank 0's side)
+    ("logits", hidden rows)    project rank-0's hidden rows on each rank's vocabulary rows
+    ("copy", [(src, dst)])     copy KV blocks (copy-on-write at a fork)
+    ("stop", None)             leave the loop
+
+A worker is a fresh interpreter (``python -m kvserve.parallel.ranks``), loads the
+checkpoint itself, shards it, allocates its KV heads' cache once rank 0 has sized it, and
+exits when rank 0 sends ``stop``, when rank 0's process is gone, or when a collective fails.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("kvserve.parallel")
+
+
+@dataclass
+class RankWork:
+    """The part of a ``ScheduledSeq`` every rank needs to build its inputs."""
+
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    lookahead_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, seq) -> "RankWork":
+        """The rank-side view of a scheduled sequence."""
+        return cls(seq.token_ids, seq.start_position, seq.block_table, seq.sample, seq.lookahead_token_ids)
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """What a worker needs to build its shard: the checkpoint and how to load it, the
+    replica's layout, and rank 0's store file."""
+
+    model: str | None
+    device: str                 # "cpu" or "cuda" (rank r uses cuda:r)
+    dtype: str                  # resolved compute dtype name
+    quantization: str
+    kv_cache_dtype: str
+    block_size: int
+    attention_backend: str
+    num_threads: int | None
+    world_size: int
+    store_path: str
+    bandwidth: float            # bytes/s, rank 0's measurement (for the log only)
+
+
+def rank_device(device: str, rank: int):
+    """The torch device of ``rank``: its own GPU, or the CPU."""
+    import torch
+    return torch.device("cuda", rank) if device == "cuda" else torch.device("cpu")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    """A daemon thread: end this worker when rank 0's process is gone."""
+    def watch():
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+    threading.Thread(target=watch, daemon=True, name="kvserve-rank-watchdog").start()
+
+
+def worker_main(rank: int, spec: RankSpec, parent_pid: int) -> None:
+    """Entry point of rank ``rank`` (>= 1): build the shard, then serve rank 0's commands."""
+    import torch
+
+    from kvserve.engine.kv.tensors import allocate_kv_cache
+    from kvserve.engine.model_loading import load_model, torch_dtype
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.loader import load_checkpoint
+    from kvserve.parallel.group import RankGroup, join_store
+    from kvserve.parallel.tensor_parallel import TensorParallelModel
+
+    _exit_with_parent(parent_pid)
+    if spec.num_threads:
+        torch.set_num_threads(spec.num_threads)
+    device, dtype = rank_device(spec.device, rank), torch_dtype(spec.dtype)
+    group = RankGroup(join_store(spec.world_size, spec.store_path), rank, spec.world_size, device.type)
+    try:
+        model = load_model(load_checkpoint(spec.model), device, dtype, spec.quantization, spec.bandwidth,
+                           transform=lambda m: TensorParallelModel(m, group))
+        kv_plan = group.broadcast_object()
+        kv_cache = allocate_kv_cache(model.rank_config, kv_plan, spec.kv_cache_dtype, device, dtype)
+        backend = attention_backend(spec.attention_backend, model.rank_config)
+        serve_commands(group, ModelRunner(model, kv_cache, backend, spec.block_size, device))
+    except Exception:               # rank 0 gone mid-collective, or a broken shard: leave loudly
+        logger.exception("tensor-parallel rank %d stops", rank)
+        raise
+
+
+def attention_backend(name: str, rank_config):
+    """The attention backend for one rank's heads."""
+    from kvserve.attention import get_backend
+    return get_backend(name, rank_config.num_heads, rank_config.num_kv_heads, rank_config.head_dim)
+
+
+def serve_commands(group, runner) -> None:
+    """Run rank 0's commands on this rank's ``runner`` until ``stop``."""
+    import torch
+    while True:
+        command, arg = group.broadcast_object()
+        if command == "stop":
+            return
+        with torch.inference_mode():
+            if command == "forward":
+                runner._forward(arg)
+            elif command == "logits":
+                runner.logits(arg)
+            elif command == "copy":
+                runner.copy_blocks(arg)
+            else:
+                raise RuntimeError(f"unknown rank command {command!r}")
+
+
+def start_workers(spec: RankSpec) -> list[subprocess.Popen]:
+    """Start ranks 1..world_size-1 as fresh interpreters (``python -m kvserve.parallel.ranks``:
+    no re-import of the caller's main module, no inherited threads); they join rank 0's store."""
+    args = json.dumps(dataclasses.asdict(spec))
+    return [subprocess.Popen([sys.executable, "-m", "kvserve.parallel.ranks", str(rank), args, str(os.getpid())])
+            for rank in range(1, spec.world_size)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m kvserve.parallel.ranks RANK SPEC_JSON PARENT_PID``."""
+    rank, spec, parent = (argv if argv is not None else sys.argv[1:])
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s rank {rank} %(levelname)s %(name)s: %(message)s")
+    worker_main(int(rank), RankSpec(**json.loads(spec)), int(parent))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

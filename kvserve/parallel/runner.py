@@ -1,0 +1,61 @@
+"""The runner of a tensor-parallel replica: rank 0's ``ModelRunner`` that drives the
+other ranks. It sends each forward's ``RankWork``, each vocabulary projection's hidden
+rows and each KV block copy to the workers before doing the same on its own shard, so
+the collectives inside the model pair up. Sampling, grammar masks and verification run
+on rank 0 alone, on the gathered logits; the scheduler never knows there are ranks.
+"""
+from __future__ import annotations
+
+import logging
+import subprocess
+
+import torch
+
+from kvserve.engine.model_runner import ModelRunner
+from kvserve.parallel.ranks import RankWork
+
+logger = logging.getLogger("kvserve.parallel")
+
+
+class TensorParallelRunner(ModelRunner):
+    """``ModelRunner`` on rank 0's shard (``model`` is a ``TensorParallelModel``) that
+    also drives ranks 1..N-1 (``workers``, their processes) through ``group``."""
+
+    def __init__(self, *args, group, workers, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group, self.workers = group, workers
+        self._closed = False
+
+    def _forward(self, items):
+        self.group.broadcast_object(("forward", [RankWork.of(s) for s in items]))
+        return super()._forward(items)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast_object(("logits", hidden))
+        return super().logits(hidden)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        if copies:
+            self.group.broadcast_object(("copy", copies))
+        super().copy_blocks(copies)
+
+    @property
+    def comm_seconds(self) -> float:
+        """Rank 0's wall time inside collectives (all-reduce, all-gather) so far."""
+        return self.group.comm_seconds
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (``stop``, then join; terminate one that does not leave)."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self.group.broadcast_object(("stop", None))
+        except RuntimeError as exc:          # a worker already gone
+            logger.warning("tensor-parallel stop: %s", exc)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.terminate()
+                proc.wait(timeout_s)

@@ -1,0 +1,183 @@
+"""Tensor parallelism as a transform on a plain Llama-family model (Megatron's layout).
+
+Rank ``r`` of ``tp`` keeps:
+
+- attention: the q heads ``[r H/tp, (r+1) H/tp)`` and their KV heads — ``KVH/tp`` of them
+  when ``tp`` divides the KV heads, else (``tp`` a multiple of ``KVH``, GQA with few KV
+  heads) the one KV head its q heads read, replicated on ``tp/KVH`` ranks. The fused q/k/v
+  projection keeps those rows (column parallel, biases too); ``o_proj`` keeps the matching
+  input columns (row parallel): each rank's partial sum is all-reduced, one all-reduce.
+- MLP: ``I/tp`` rows of gate and of up (column parallel), those columns of down (row
+  parallel, one all-reduce).
+- vocabulary: rows ``[r V', (r+1) V')`` of the embedding and of the head, ``V' = ceil(V/tp)``
+  (the last rank's padded with zero rows): a token's embedding comes from the rank that
+  holds its row (the others add zeros, one all-reduce) and the logits are all-gathered.
+
+Norms and rotary tables are replicated. Each rank's KV cache holds only its KV heads, so
+its bytes per token are ``2 x layers x (KVH/tp or 1) x head_dim x dtype bytes``. The
+scheduler and its block ids are the same on every rank.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvserve.config import ModelConfig
+from kvserve.errors import InvalidRequestError
+from kvserve.models.layers import SwiGLUMLP
+from kvserve.models.llama import LlamaAttention, LlamaForCausalLM
+from kvserve.models.projection import Projection
+from kvserve.planner.kv_memory import kv_heads_per_gpu
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
+    """Raise ``InvalidRequestError`` saying why ``config``'s model cannot be split ``tp`` ways."""
+    def refuse(why: str):
+        raise InvalidRequestError(f"tensor_parallel_size {tp} cannot split {config.name or config.architecture}: "
+                                  f"{why}", param="tensor_parallel_size")
+    if tp < 1:
+        refuse("it must be >= 1")
+    if tp == 1:
+        return
+    if config.moe is not None:
+        refuse("mixture-of-experts layers are not tensor-parallel here; use expert parallelism")
+    if config.num_heads % tp:
+        refuse(f"{config.num_heads} attention heads are not divisible by {tp}")
+    try:
+        kv_heads_per_gpu(config.num_kv_heads, tp)
+    except ValueError:
+        refuse(f"{config.num_kv_heads} KV heads neither divide by {tp} nor divide {tp} (GQA replication)")
+    if config.intermediate_size % tp:
+        refuse(f"MLP width {config.intermediate_size} is not divisible by {tp}")
+
+
+def rank_model_config(config: ModelConfig, tp: int) -> ModelConfig:
+    """What one rank holds, as a config: its attention and KV heads and MLP width (the KV
+    cache of a rank is sized and allocated from this)."""
+    return dataclasses.replace(config, num_heads=config.num_heads // tp,
+                               num_kv_heads=kv_heads_per_gpu(config.num_kv_heads, tp),
+                               intermediate_size=config.intermediate_size // tp)
+
+
+def _rows(w: torch.Tensor | None, ranges: list[tuple[int, int]]) -> torch.Tensor | None:
+    return None if w is None else torch.cat([w[a:b] for a, b in ranges]).contiguous()
+
+
+def _projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
+    proj = Projection(weight.shape[0], weight.shape[1], bias=bias is not None)
+    proj.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        proj.bias = nn.Parameter(bias, requires_grad=False)
+    return proj
+
+
+class RowParallel(nn.Module):
+    """A projection whose input features are split across ranks: each rank's partial
+    product is summed over the ranks (one all-reduce); a bias is added once, after it."""
+
+    def __init__(self, proj: Projection, group):
+        super().__init__()
+        self.bias = proj.bias
+        proj.bias = None
+        self.proj, self.group = proj, group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / tp] -> [T, out], the same on every rank."""
+        y = self.group.all_reduce_(self.proj(x))
+        return y if self.bias is None else y.add_(self.bias)
+
+    def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``out += x @ W.T`` (``out`` is the residual stream, the same on every rank)."""
+        return out.add_(self.forward(x))
+
+
+def _shard_attention(attn: LlamaAttention, group, tp: int) -> None:
+    rank, d = group.rank, attn.head_dim
+    heads, kv_heads = attn.num_heads // tp, kv_heads_per_gpu(attn.num_kv_heads, tp)
+    q0 = rank * heads
+    kv0 = rank * kv_heads if attn.num_kv_heads % tp == 0 else q0 // (attn.num_heads // attn.num_kv_heads)
+    q, kv = attn.q_size, attn.kv_size
+    ranges = [(q0 * d, (q0 + heads) * d), (q + kv0 * d, q + (kv0 + kv_heads) * d),
+              (q + kv + kv0 * d, q + kv + (kv0 + kv_heads) * d)]
+    attn.qkv_proj = _projection(_rows(attn.qkv_proj.weight, ranges), _rows(attn.qkv_proj.bias, ranges))
+    o = attn.o_proj
+    attn.o_proj = RowParallel(_projection(o.weight[:, q0 * d:(q0 + heads) * d].contiguous(), o.bias), group)
+    attn.num_heads, attn.num_kv_heads = heads, kv_heads
+    attn.q_size, attn.kv_size = heads * d, kv_heads * d
+
+
+def _shard_mlp(mlp: SwiGLUMLP, group, tp: int) -> None:
+    inter = mlp.intermediate_size
+    width = inter // tp
+    lo = group.rank * width
+    mlp.gate_up_proj = _projection(_rows(mlp.gate_up_proj.weight, [(lo, lo + width), (inter + lo, inter + lo + width)]),
+                                   None)
+    down = mlp.down_proj
+    mlp.down_proj = RowParallel(_projection(down.weight[:, lo:lo + width].contiguous(), down.bias), group)
+    mlp.intermediate_size = width
+
+
+def _vocab_rows(table: torch.Tensor, rank: int, tp: int) -> tuple[torch.Tensor, int]:
+    """Rank ``rank``'s rows of a ``[V, hidden]`` table, zero-padded to ``ceil(V / tp)``; and
+    the first vocabulary id it holds."""
+    per_rank = -(-table.shape[0] // tp)
+    lo = rank * per_rank
+    rows = table[lo:lo + per_rank]
+    if rows.shape[0] < per_rank:
+        rows = torch.cat((rows, rows.new_zeros(per_rank - rows.shape[0], table.shape[1])))
+    return rows.contiguous(), lo
+
+
+class TensorParallelModel(nn.Module):
+    """One rank's shard of a Llama-family model. Every rank calls ``forward`` and
+    ``compute_logits`` with the same inputs at the same time (the collectives inside pair
+    up); the results are the same on every rank."""
+
+    def __init__(self, model: LlamaForCausalLM, group):
+        super().__init__()
+        tp = group.world_size
+        check_tensor_parallel(model.config, tp)
+        self.config, self.group, self.model = model.config, group, model
+        self.rank_config = rank_model_config(model.config, tp)
+        head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens
+        head_rows, _ = _vocab_rows(head, group.rank, tp)
+        table, self.vocab_start = _vocab_rows(model.embed_tokens, group.rank, tp)
+        self.vocab_rows = min(table.shape[0], model.config.vocab_size - self.vocab_start)   # real rows held
+        model.embed_tokens = nn.Parameter(table, requires_grad=False)
+        model.lm_head = _projection(head_rows, None)       # untied on every rank: its own rows
+        for layer in model.layers:
+            _shard_attention(layer.self_attn, group, tp)
+            _shard_mlp(layer.mlp, group, tp)
+
+    @property
+    def rotary(self):
+        return self.model.rotary
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
+                backend, meta) -> torch.Tensor:
+        """As ``LlamaForCausalLM.forward``, with this rank's KV heads in ``kv_cache``."""
+        local = input_ids - self.vocab_start
+        held = (local >= 0) & (local < self.vocab_rows)
+        x = F.embedding(local.clamp(0, self.vocab_rows - 1), self.model.embed_tokens)
+        x.mul_(held.unsqueeze(1).to(x.dtype))
+        return self.model.forward_embedded(self.group.all_reduce_(x), positions, kv_cache, backend, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [S, hidden] -> logits [S, vocab] in fp32 (each rank's rows, gathered)."""
+        local = self.model.compute_logits(hidden)
+        return self.group.all_gather(local, dim=-1)[:, :self.config.vocab_size]
+
+    def pack_weights(self) -> dict[str, str]:
+        """Lay this rank's projections out for its device (see ``Projection.pack``)."""
+        return self.model.pack_weights()
+
+    def weight_bytes(self) -> int:
+        """Bytes of this rank's weights (packed copies included)."""
+        return self.model.weight_bytes()
+
+    def decode_read_bytes(self) -> int:
+        """Weight bytes this rank streams per decode step."""
+        return self.model.decode_read_bytes()

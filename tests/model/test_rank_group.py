@@ -1,0 +1,39 @@
+"""Tier 2: a two-rank ``RankGroup`` over gloo (rank 1 a spawned process): each collective's
+result on both ranks, and every listener of both processes on 127.0.0.1."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from kvserve.parallel.group import RankGroup, open_store
+from tests.support.rank_peer import loopback_listeners, peer
+
+pytestmark = pytest.mark.model
+
+
+def test_two_rank_collectives_on_loopback():
+    store, path = open_store(2)
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    proc = ctx.Process(target=peer, args=(path, results), daemon=True)
+    proc.start()
+    try:
+        group = RankGroup(store, 0, 2)
+        reduced = group.all_reduce_(torch.tensor([1.0, 2.0]))
+        gathered = group.all_gather(torch.tensor([[1.0]]), dim=-1)
+        # rank 0 sends 2 rows to itself and 1 to rank 1; receives 2 of its own and 1 from rank 1
+        exchanged = group.all_to_all(torch.tensor([[0.0], [1.0], [2.0]]), send_rows=[2, 1], recv_rows=[2, 1])
+        group.broadcast_object({"step": 7, "rows": [1, 2, 3]})
+        mine = loopback_listeners()
+        theirs = results.get(timeout=60)
+    finally:
+        proc.join(30)
+    assert reduced.tolist() == [11.0, 22.0] and theirs["reduced"] == [11.0, 22.0]
+    assert gathered.tolist() == [[1.0, 3.0]] and theirs["gathered"] == [[1.0, 3.0]]
+    assert exchanged.tolist() == [[0.0], [1.0], [10.0]]
+    assert theirs["exchanged"] == [[2.0], [11.0], [12.0]]
+    assert theirs["received"] == {"step": 7, "rows": [1, 2, 3]}
+    assert group.comm_calls == 3 and group.comm_seconds > 0
+    assert mine and set(mine) == {"127.0.0.1"}, mine
+    assert set(theirs["listeners"]) <= {"127.0.0.1"}, theirs["listeners"]

@@ -1,0 +1,126 @@
+"""Tier 2: tensor parallelism over gloo with 2 ranks (worker processes) equals TP=1.
+
+Tiny random Hugging Face folders (no downloads): Llama with an untied head and KV heads
+split 2 ways, Qwen2 with q/k/v biases, a tied head and one KV head replicated on both
+ranks. 32 prompts with shared prefixes through a KV budget small enough to preempt, with
+the prefix cache and speculation on (the same weights, unsharded, drafting on rank 0): greedy ids equal to TP=1, chosen-token
+logprobs within 1e-4.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvserve.sampling.params import SamplingParams
+from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
+
+pytestmark = pytest.mark.model
+
+SHARED = ["You are a careful assistant. Answer in one line. ", "Count with me: one two three one two three "]
+TAILS = ["The capital of France is", "def add(a, b):", "1, 2, 3,", "Hello 世界", "once upon a time",
+         "the the the the", "SELECT * FROM", "import torch as"]
+
+
+def _prompts() -> list[str]:
+    return [SHARED[i % 2] + TAILS[i % len(TAILS)] + f" ({i})" for i in range(32)]
+
+
+def _save_tiny(kind: str, folder, model_path) -> None:
+    import transformers
+    from transformers import AutoTokenizer
+    cls, cfg_cls, heads, kv_heads, tied = {
+        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, 8, 4, False),
+        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, 4, 1, True),
+    }[kind]
+    torch.manual_seed(0)
+    config = cfg_cls(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                     rope_theta=10000.0, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
+                     tie_word_embeddings=tied)
+    model = cls(config).eval()
+    if kind == "qwen2":   # make the biases matter
+        for layer in model.model.layers:
+            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                torch.nn.init.normal_(proj.bias, std=0.5)
+    model.save_pretrained(folder, safe_serialization=True)
+    folder_name, file_name = str(model_path).rsplit("/", 1)
+    AutoTokenizer.from_pretrained(folder_name, gguf_file=file_name).save_pretrained(folder)
+
+
+def assert_same_greedy(ref, got) -> None:
+    """Greedy ids equal (a divergence only at a reference near-tie) and the chosen tokens'
+    logprobs within 1e-4 along each common prefix."""
+    compare_greedy([o.outputs[0].token_ids for o in ref], [o.outputs[0].token_ids for o in got],
+                   [top2_gaps_from_logprobs(o.outputs[0].logprobs) for o in ref])
+    worst = 0.0
+    for a, b in zip(ref, got):
+        for tok_a, tok_b, lp_a, lp_b in zip(a.outputs[0].token_ids, b.outputs[0].token_ids,
+                                            a.outputs[0].logprobs, b.outputs[0].logprobs):
+            if tok_a != tok_b:
+                break
+            worst = max(worst, abs(lp_a[tok_a] - lp_b[tok_b]))
+    assert worst < 1e-4, worst
+
+
+def _run(folder, tp: int):
+    from kvserve import LLM
+    # the replica's KV budget (split over the ranks): 2 layers x (K, V) x 128 floats of 4 B =
+    # 2 KiB per token; 40 blocks of 16 tokens for 32 sequences of ~40-60 tokens: it must preempt
+    llm = LLM(str(folder), dtype="float32", kv_cache_bytes=40 * 16 * 2048, tensor_parallel_size=tp,
+              num_threads=1, max_num_seqs=32, speculative=f"draft:{folder}")
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, logprobs=2)
+        outs = llm.generate(_prompts(), greedy)
+        stats = llm.engine.stats()
+        workers = list(getattr(llm.engine.runner, "workers", []))
+    finally:
+        llm.engine.close()
+    return outs, stats, workers
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_tp2_equals_tp1(kind, tmp_path, model_path):
+    _save_tiny(kind, tmp_path, model_path)
+    ref, ref_stats, _ = _run(tmp_path, 1)
+    got, stats, workers = _run(tmp_path, 2)
+    assert stats.num_preemptions > 0 and ref_stats.num_preemptions > 0, "the KV budget must force preemption"
+    assert stats.prefix_cache_hit_tokens > 0 and stats.speculation.num_proposed > 0
+    assert workers and all(p.poll() is not None for p in workers), "close() stops the worker ranks"
+    assert_same_greedy(ref, got)
+
+
+def test_default_model_tp3_equals_tp1(llm, prompts, model_path):
+    """SmolLM2-135M (9 heads, 3 KV heads, tied head) split 3 ways — the split its heads
+    allow — on the 32-prompt set (chat and ~1,000-token raw prompts)."""
+    from kvserve import LLM
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
+    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    tp3 = LLM(model_path, dtype="float32", kv_cache_bytes=512 * 2**20, max_num_seqs=64,
+              max_num_batched_tokens=1024, tensor_parallel_size=3, num_threads=1)
+    try:
+        got = tp3.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        assert tp3.engine.runner.comm_seconds > 0
+    finally:
+        tp3.engine.close()
+    assert_same_greedy(ref, got)
+
+
+def test_a_dead_rank_fails_the_step_instead_of_hanging(tmp_path, model_path):
+    import signal
+    import time
+
+    from kvserve import LLM
+    _save_tiny("llama", tmp_path, model_path)
+    llm = LLM(str(tmp_path), dtype="float32", kv_cache_bytes=2**20, tensor_parallel_size=2, num_threads=1)
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    try:
+        assert len(llm.generate(["hello"], greedy)[0].outputs[0].token_ids) == 4
+        worker = llm.engine.runner.workers[0]
+        worker.send_signal(signal.SIGKILL)
+        worker.wait(10)
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="[Cc]onnection"):
+            llm.generate(["hello again"], greedy)
+        assert time.monotonic() - started < 10
+    finally:
+        llm.engine.close()

@@ -1,0 +1,22 @@
+"""Rank 1 of a two-rank ``RankGroup`` for tests (a spawned process runs ``peer``)."""
+from __future__ import annotations
+
+import torch
+
+
+def loopback_listeners() -> list[str]:
+    """Addresses this process listens on (TCP)."""
+    import psutil
+    return sorted({c.laddr.ip for c in psutil.Process().net_connections(kind="tcp") if c.status == "LISTEN"})
+
+
+def peer(path: str, results) -> None:
+    """Join rank 0's store as rank 1, run each collective once, report what it saw."""
+    from kvserve.parallel.group import RankGroup, join_store
+    group = RankGroup(join_store(2, path), 1, 2)
+    reduced = group.all_reduce_(torch.tensor([10.0, 20.0]))
+    gathered = group.all_gather(torch.tensor([[3.0]]), dim=-1)
+    exchanged = group.all_to_all(torch.tensor([[10.0], [11.0], [12.0]]), send_rows=[1, 2], recv_rows=[1, 2])
+    received = group.broadcast_object()
+    results.put({"reduced": reduced.tolist(), "gathered": gathered.tolist(), "exchanged": exchanged.tolist(),
+                 "received": received, "listeners": loopback_listeners()})
