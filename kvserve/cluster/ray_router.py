@@ -1,19 +1,28 @@
 """``KVServeRequestRouter``: Ray Serve's request router for ``EngineReplica``, deciding with
 a ``kvserve.router`` policy from the replicas' routing stats (``record_routing_stats``:
 load, KV use, the cached blocks' hashes) and the ``route`` the ingress computed for the
-request (its prompt's tokens, tenant salt, session key). Ray Serve's router API is alpha:
-ray[serve] is pinned (pyproject's ``cluster`` extra)."""
+request (its prompt's tokens, tenant salt, session key), never choosing a replica whose
+circuit breaker the ingress holds open (``route["blocked"]``). Ray Serve's router API is
+alpha: ray[serve] is pinned (pyproject's ``cluster`` extra).
+
+The router reports each decision by writing it into the request's ``route`` (``route
+["decision"]``: replica, policy, reason, cached tokens, the replicas it saw and those that
+reported an unhealthy engine). Ray Serve 2.60 runs a handle's request router in the process
+that holds the handle (the ingress), hands ``choose_replicas`` the caller's keyword
+arguments (a shallow copy: ``route`` is the ingress's own dict) and serialises them only
+when it sends the request, so the ingress reads the decision there, even when the replica
+fails, and counts it in its metrics (``cluster/metrics.py``)."""
 from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, deque
+from collections import deque
 from typing import List, Optional
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from kvserve.engine.kv.cache_events import CacheNamespace
-from kvserve.router import ReplicaState, RouteRequest, RouterWeights, make_policy
+from kvserve.router import Decision, ReplicaState, RouteRequest, RouterWeights, make_policy
 from kvserve.router.policies import PrefixAware
 
 logger = logging.getLogger("kvserve.cluster")
@@ -26,7 +35,6 @@ class KVServeRequestRouter(RequestRouter):
 
     def initialize_state(self, policy: str = "kv_aware", weights: str | None = None, block_size: int = 16):
         self.policy = make_policy(policy, block_size, RouterWeights.parse(weights))
-        self.decisions: Counter = Counter()          # (policy, reason) -> count
         self._blocks_seen: dict[str, float] = {}     # replica -> stats time its blocks were read at
         self._routed: dict[str, deque] = {}          # replica -> (wall time, uncached tokens) of requests sent
 
@@ -55,22 +63,46 @@ class KVServeRequestRouter(RequestRouter):
 
     async def choose_replicas(self, candidate_replicas: List[RunningReplica],
                               pending_request: Optional[PendingRequest] = None) -> List[List[RunningReplica]]:
+        """The chosen replica first, the others after it. ``route`` keys read: ``tokens``,
+        ``adapter``, ``cache_salt``, ``session`` (the request), ``avoid`` (replicas that failed
+        it already), ``blocked`` (breakers not closed), ``replica`` (a pin: the ingress's
+        probes and metric scrapes go to exactly that replica while it runs)."""
         if not candidate_replicas:
             return []
-        route = (pending_request.kwargs.get("route") if pending_request is not None else None) or {}
-        avoid = set(route.get("avoid", ()))          # replicas that failed this request already
+        route = pending_request.kwargs.get("route") if pending_request is not None else None
+        route = route if isinstance(route, dict) else {}
         states = [self._state(r) for r in candidate_replicas]
+        unhealthy = [s.name for s in states if not s.healthy]
+        avoid, blocked = set(route.get("avoid", ())), set(route.get("blocked", ()))
         for state in states:
             state.healthy = state.healthy and state.name not in avoid
-        request = RouteRequest(tuple(route.get("tokens", ())),
-                               CacheNamespace(route.get("adapter"), 0, route.get("cache_salt")), route.get("session"))
-        if not any(s.healthy for s in states):
-            return [candidate_replicas]              # none reports healthy: let Ray Serve try them all
-        decision = self.policy.choose(states, request)
-        self.decisions[(decision.policy, decision.reason)] += 1
+            state.breaker_open = state.name in blocked
+        decision = self._decide(states, route)
+        route["decision"] = {"replica": decision.replica if decision else None,
+                             "policy": decision.policy if decision else self.policy.name,
+                             "reason": decision.reason if decision else "fallback",
+                             "cached_tokens": decision.cached_tokens if decision else 0,
+                             "replicas": [s.name for s in states], "unhealthy": unhealthy}
+        if decision is None:
+            return [candidate_replicas]              # none routable: let Ray Serve try them all
         chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)
-        uncached = max(0, len(request.token_ids) - decision.cached_tokens)
+        if decision.reason == "pinned":
+            return [[chosen]]                        # no fallback: a probe or scrape is for that replica only
+        uncached = max(0, len(route.get("tokens", ())) - decision.cached_tokens)
         self._routed.setdefault(decision.replica, deque()).append((time.time(), uncached))
         logger.debug("routed to %s (%s, %d/%d blocks cached)", decision.replica, decision.reason,
                      decision.matched_blocks, decision.num_blocks)
-        return [[chosen], [r for r in candidate_replicas if r is not chosen]]
+        routable = {s.name for s in states if s.routable}
+        rest = [r for r in candidate_replicas if r is not chosen and r.replica_id.unique_id in routable]
+        return [[chosen], rest] if rest else [[chosen]]
+
+    def _decide(self, states: List[ReplicaState], route: dict) -> Decision | None:
+        """The pinned replica if it runs, else the policy's choice; None when no replica is routable."""
+        pinned = route.get("replica")
+        if pinned is not None and any(s.name == pinned for s in states):
+            return Decision(pinned, self.policy.name, "pinned")
+        if not any(s.routable for s in states):
+            return None
+        request = RouteRequest(tuple(route.get("tokens", ())),
+                               CacheNamespace(route.get("adapter"), 0, route.get("cache_salt")), route.get("session"))
+        return self.policy.choose(states, request)

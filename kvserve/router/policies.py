@@ -1,6 +1,7 @@
 """Routing policies by name: ``round_robin``, ``least_loaded``, ``prefix_approx``, ``kv_aware``.
 
-Each is ``choose(replicas, request) -> Decision`` over the healthy replicas. The prefix
+Each is ``choose(replicas, request) -> Decision`` over the routable replicas (healthy, and
+their circuit breaker closed: ``ReplicaState.routable``). The prefix
 policies estimate what placing the request on each replica costs, in prompt tokens of
 prefill (the work that stands between a request and its first token), and take the
 cheapest:
@@ -68,14 +69,15 @@ class RouterWeights:
 
 
 class NoReplicaError(RuntimeError):
-    """No healthy replica to route to."""
+    """No routable replica (healthy with its breaker closed) to route to."""
 
 
-def _healthy(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
-    healthy = [r for r in replicas if r.healthy]
-    if not healthy:
-        raise NoReplicaError("no healthy replica")
-    return healthy
+def _routable(replicas: Sequence[ReplicaState]) -> list[ReplicaState]:
+    """The replicas a policy may choose: healthy, their circuit breaker closed."""
+    routable = [r for r in replicas if r.routable]
+    if not routable:
+        raise NoReplicaError("no routable replica (all unhealthy or their circuit breakers open)")
+    return routable
 
 
 class Spread:
@@ -91,7 +93,7 @@ class Spread:
 
 
 class RoundRobin:
-    """Each healthy replica in turn, whatever it holds."""
+    """Each routable replica in turn, whatever it holds."""
 
     name = "round_robin"
 
@@ -99,7 +101,7 @@ class RoundRobin:
         self._turn = itertools.count()
 
     def choose(self, replicas: Sequence[ReplicaState], request: RouteRequest) -> Decision:
-        healthy = sorted(_healthy(replicas), key=lambda r: r.name)
+        healthy = sorted(_routable(replicas), key=lambda r: r.name)
         chosen = healthy[next(self._turn) % len(healthy)]
         return Decision(chosen.name, self.name, "round_robin")
 
@@ -113,7 +115,7 @@ class LeastLoaded:
         self.spread = Spread()
 
     def choose(self, replicas: Sequence[ReplicaState], request: RouteRequest) -> Decision:
-        healthy = _healthy(replicas)
+        healthy = _routable(replicas)
         best = min((r.load, r.kv_usage) for r in healthy)
         chosen = self.spread.pick([r for r in healthy if (r.load, r.kv_usage) == best])
         return Decision(chosen.name, self.name, "least_loaded")
@@ -143,7 +145,7 @@ class PrefixAware:
                 - w.session * session - w.adapter * resident)
 
     def choose(self, replicas: Sequence[ReplicaState], request: RouteRequest) -> Decision:
-        healthy = _healthy(replicas)
+        healthy = _routable(replicas)
         now = self.clock()
         self.index.expire_predictions(now)
         hashes = request_block_hashes(request.token_ids, request.namespace, self.block_size)

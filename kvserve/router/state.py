@@ -13,7 +13,9 @@ class ReplicaState:
     ``kv_usage``: fraction of its KV blocks held by running sequences; ``queued_tokens``:
     prompt tokens of its waiting requests (an upper bound: their cached prefixes are not
     subtracted); ``max_num_seqs``: its decode slots (0: unknown); ``healthy``: False while
-    its circuit breaker is open (such a replica is never chosen)."""
+    it reports an unhealthy engine; ``breaker_open``: True while the runtime's circuit
+    breaker for it is not closed (it failed requests; back once a probe succeeds). A replica
+    that is unhealthy or whose breaker is open is never chosen (``routable``)."""
 
     name: str
     num_running: int = 0
@@ -23,6 +25,12 @@ class ReplicaState:
     queued_tokens: int = 0
     resident_adapters: frozenset[str] = field(default_factory=frozenset)
     healthy: bool = True
+    breaker_open: bool = False
+
+    @property
+    def routable(self) -> bool:
+        """Whether a policy may choose it: healthy and its breaker closed."""
+        return self.healthy and not self.breaker_open
 
     @property
     def load(self) -> float:
@@ -45,7 +53,8 @@ class RouteRequest:
 class Decision:
     """Where a request goes and why: ``reason`` is one of ``round_robin``,
     ``least_loaded``, ``prefix`` (it holds more of the prompt than some other replica),
-    ``session`` (its session's replica), ``spread`` (a tie, to the least used replica);
+    ``session`` (its session's replica), ``spread`` (a tie, to the least used replica)
+    (a runtime may add its own: the Ray router's ``pinned`` and ``fallback``);
     ``matched_blocks`` of the request's ``num_blocks`` full blocks (``cached_tokens``
     prompt tokens) are cached there as far as the router knows."""
 

@@ -56,9 +56,15 @@ class Counter:
 
 
 class Gauge(Counter):
-    """A value that goes up and down."""
+    """A value that goes up and down. ``additive``: whether summing it over replicas means
+    something (a count or a size: yes; a rate, a ratio, a fitted constant, a time stamp: no);
+    the cluster's aggregate series (``kvserve/cluster/metrics.py``) sum only additive gauges."""
 
     kind = "gauge"
+
+    def __init__(self, name: str, help_text: str, additive: bool = True):
+        super().__init__(name, help_text)
+        self.additive = additive
 
     def set(self, value: float, **labels: str) -> None:
         self.values[tuple(sorted(labels.items()))] = value
@@ -202,7 +208,8 @@ class LoRAMetrics:
         self.load_seconds = c("kvserve_lora_load_seconds_total", "Time spent loading adapters, by tier "
                               "(disk: disk -> host memory; slot: host memory -> resident slot).")
         self.info = g("kvserve_lora_requests_info", "vLLM's lora_requests_info: the labels name the adapters "
-                      "with running and with waiting sequences; the value is the Unix time of the update.")
+                      "with running and with waiting sequences; the value is the Unix time of the update.",
+                      additive=False)
         self.requests = c("kvserve_lora_requests_total", "HTTP generation requests admitted, by adapter.")
         self.generation_tokens = c("kvserve_lora_generation_tokens_total", "Tokens generated, by adapter.")
         self.all = [self.loaded, self.resident, self.host, self.max_resident, self.max_host, self.waiting_for_slot,
@@ -246,7 +253,7 @@ class ServerMetrics:
         self.kv_total = g("kvserve_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_cached = g("kvserve_kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable).")
         self.prefix_hit_rate = g("kvserve_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / "
-                                 "prompt tokens looked up, since start.")
+                                 "prompt tokens looked up, since start.", additive=False)
         self.prefix_hit_tokens = c("kvserve_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.")
         self.prefix_queries = c("kvserve_prefix_cache_queries_total", "Prefix cache lookups (one per admitted "
                                 "request that uses the cache).")
@@ -260,11 +267,13 @@ class ServerMetrics:
         self.spec_verifications = c("kvserve_spec_verifications_total",
                                     "Sequence-steps that verified at least one draft.")
         self.spec_mean_len = g("kvserve_spec_mean_accepted_length",
-                               "Draft tokens accepted per verification, since start.")
+                               "Draft tokens accepted per verification, since start.", additive=False)
         self.spec_steps_off = c("kvserve_spec_steps_off_total",
                                 "Decode steps where speculation was switched off because it would not pay.")
-        self.step_fixed = g("kvserve_step_time_fixed_seconds", "Measured step time t = a + b x tokens: a.")
-        self.step_per_token = g("kvserve_step_time_per_token_seconds", "Measured step time t = a + b x tokens: b.")
+        self.step_fixed = g("kvserve_step_time_fixed_seconds", "Measured step time t = a + b x tokens: a.",
+                            additive=False)
+        self.step_per_token = g("kvserve_step_time_per_token_seconds", "Measured step time t = a + b x tokens: b.",
+                                additive=False)
         self.ready = g("kvserve_ready", "1 when /ready answers 200.")
         self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
         self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
@@ -317,6 +326,10 @@ class ServerMetrics:
         for tenant, tokens in stats.tenant_served_tokens.items():
             self.tenants.served.set_total(tokens, tenant=tenant)
 
+    def all_metrics(self) -> list:
+        """Every metric object ``render()`` may write (the LoRA ones included)."""
+        return self._all + self.lora.all
+
     def render(self) -> str:
         lines = []
         for metric in self._all + (self.lora.all if self.lora_enabled else []):
@@ -324,6 +337,17 @@ class ServerMetrics:
             lines.append(f"# TYPE {metric.name} {metric.kind}")
             lines.extend(metric.render())
         return "\n".join(lines) + "\n"
+
+
+def render_metrics(metrics) -> str:
+    """The exposition text of ``metrics`` (Counter, Gauge, Histogram objects), as ``render()``
+    writes the server's."""
+    lines = []
+    for metric in metrics:
+        lines.append(f"# HELP {metric.name} {metric.help}")
+        lines.append(f"# TYPE {metric.name} {metric.kind}")
+        lines.extend(metric.render())
+    return "\n".join(lines) + "\n"
 
 
 def parse_metrics(text: str) -> dict[str, float]:

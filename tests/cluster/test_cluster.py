@@ -1,8 +1,9 @@
 """The cluster tier: `kvserve cluster serve` with 2 replicas on a local Ray Serve (127.0.0.1
 only), through the OpenAI SDK: the same answers as the single server, streamed and not; a
 conversation stays on the replica holding its prefix; cold requests spread; under pressure
-the degradation ladder sheds batch requests only; an engine killed mid-run ends its streams
-cleanly, later requests go elsewhere, and the replica rejoins."""
+the degradation ladder sheds batch requests only; the ingress's /metrics carries each
+replica's series with a ``replica`` label, their sums and the router's decisions; an engine
+killed mid-run ends its streams cleanly, later requests go elsewhere, and the replica rejoins."""
 from __future__ import annotations
 
 import os
@@ -17,6 +18,7 @@ import pytest
 
 from benchmarks.server_process import ServerProcess
 from kvserve.cluster.ray_runtime import ray_listen_addresses
+from kvserve.server.metrics import parse_metrics
 
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
@@ -94,6 +96,35 @@ def test_cold_requests_spread(cluster):
     assert len(set(_cold_replicas(cluster, 4))) == 2
 
 
+def _replica_label(sample: str) -> str:
+    return sample.split('replica="', 1)[1].split('"', 1)[0]
+
+
+def test_the_ingress_metrics_label_each_replica_and_count_decisions(cluster):
+    same = {"model": MODEL, "messages": [{"role": "user", "content": "Metrics test: name three rivers."}],
+            "max_tokens": 2}
+    for _ in range(2):                   # the second is routed to the first's prefix (predicted or reported)
+        assert httpx.post(cluster.base_url + "/chat/completions", json=same, timeout=120).status_code == 200
+    _cold_replicas(cluster, 2)           # both replicas have served (cold requests spread)
+    r = httpx.get(cluster.url + "/metrics", timeout=60)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    samples = parse_metrics(r.text)
+    replicas = {_replica_label(s) for s in samples if s.startswith("kvserve_generation_tokens_total{")}
+    assert len(replicas) == 2, replicas
+    per_replica = [samples[f'kvserve_generation_tokens_total{{replica="{name}"}}'] for name in replicas]
+    assert all(tokens > 0 for tokens in per_replica)
+    assert samples["kvserve_cluster_generation_tokens_total"] == sum(per_replica)
+    for name in replicas:
+        assert f'kvserve_num_requests_running{{replica="{name}"}}' in samples
+        assert samples[f'kvserve_cluster_replicas{{replica="{name}"}}'] == 1
+        assert samples[f'kvserve_replica_breaker_state{{replica="{name}",state="closed"}}'] == 1
+    decisions = {s: v for s, v in samples.items() if s.startswith("kvserve_router_decisions_total{")}
+    assert all('policy="kv_aware"' in s for s in decisions) and sum(decisions.values()) >= 4, decisions
+    assert samples['kvserve_router_decisions_total{policy="kv_aware",reason="prefix"}'] >= 1
+    assert samples['kvserve_router_decision_cached_tokens_count{policy="kv_aware"}'] >= 4
+    assert samples['kvserve_router_decision_cached_tokens_sum{policy="kv_aware"}'] > 0
+
+
 def test_the_ladder_sheds_batch_requests_only(cluster):
     chat = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}], "max_tokens": 4}
     deadline, rung = time.monotonic() + 60, ""
@@ -143,6 +174,8 @@ def test_an_engine_killed_mid_run(cluster):
     errored = [lines for _r, lines in results if any('"error"' in line for line in lines)]
     assert errored, "the killed engine's streams end with an error event"
     _cold_replicas(cluster, 4)                       # later requests all succeed (retried elsewhere)
+    scrape = httpx.get(cluster.url + "/metrics", timeout=60)      # a dead or replaced replica is left out
+    assert scrape.status_code == 200 and "kvserve_cluster_replicas{" in scrape.text
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:               # Ray Serve restarts the replica; it takes traffic again
         if len(_engine_processes()) == 2 and len(set(_cold_replicas(cluster, 4))) == 2:

@@ -1,0 +1,155 @@
+"""The cluster ingress's ``/metrics``: every replica's own series with a ``replica`` label,
+their sums over the replicas, and what only the ingress knows (router decisions, prefix-hit
+tokens per decision, circuit breakers, retries, the degradation rung).
+
+Each replica's series come from its own ``/metrics`` (the single server's ``ServerMetrics``,
+unchanged), scraped through the ingress's pinned route and relabelled here: the same names,
+``replica="<Ray Serve replica id>"`` added. The aggregate of family ``kvserve_X`` is
+``kvserve_cluster_X`` (a new name, so ``sum(kvserve_X)`` never counts a replica twice):
+counters and histograms (bucket by bucket) are summed, gauges only where summing means
+something (``Gauge.additive``; a hit rate or a fitted step time is not summed). The
+ingress's own series use the server's ``Counter`` / ``Gauge`` / ``Histogram``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvserve.cluster.breaker import BreakerState, ReplicaBreakers
+from kvserve.server.metrics import Counter, Gauge, Histogram, ServerMetrics, _escape, _number, render_metrics
+
+SERVER_PREFIX = "kvserve_"
+CLUSTER_PREFIX = "kvserve_cluster_"
+CACHED_TOKEN_BUCKETS = (0, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+@dataclass
+class Family:
+    """One metric family of an exposition text: samples as (sample name, the labels inside
+    the braces as written or "", the value as written)."""
+
+    name: str
+    help: str = ""
+    kind: str = "untyped"
+    samples: list[tuple[str, str, str]] = field(default_factory=list)
+
+
+def parse_families(text: str) -> list[Family]:
+    """The families of a Prometheus text exposition (as ``ServerMetrics.render`` writes it:
+    ``# HELP`` then ``# TYPE`` then the samples), in order."""
+    families: list[Family] = []
+    for line in text.splitlines():
+        if line.startswith("# HELP "):
+            name, _, help_text = line[len("# HELP "):].partition(" ")
+            families.append(Family(name, help_text))
+        elif line.startswith("# TYPE "):
+            name, _, kind = line[len("# TYPE "):].partition(" ")
+            if not families or families[-1].name != name:
+                families.append(Family(name))
+            families[-1].kind = kind
+        elif line and not line.startswith("#") and families:
+            head, _, value = line.rpartition(" ")
+            sample, brace, labels = head.partition("{")
+            families[-1].samples.append((sample, labels[:-1] if brace else "", value))
+    return families
+
+
+def _labelled(labels: str, replica: str) -> str:
+    return "{" + f'replica="{_escape(replica)}"' + ("," + labels if labels else "") + "}"
+
+
+def additive_families(metrics: ServerMetrics | None = None) -> set[str]:
+    """The server's families whose sum over replicas means something: every counter and
+    histogram, and the gauges marked ``additive``."""
+    metrics = metrics or ServerMetrics()
+    return {m.name for m in metrics.all_metrics() if getattr(m, "additive", True)}
+
+
+def render_replicas(scrapes: dict[str, str], additive: set[str]) -> str:
+    """Each replica's series with its ``replica`` label (``scrapes``: replica id -> its
+    /metrics text), then the ``kvserve_cluster_`` sums of the families in ``additive``."""
+    merged: dict[str, tuple[Family, list[tuple[str, Family]]]] = {}
+    for replica, text in sorted(scrapes.items()):
+        for family in parse_families(text):
+            merged.setdefault(family.name, (family, []))[1].append((replica, family))
+    lines = []
+    for name, (first, per_replica) in merged.items():
+        lines += [f"# HELP {name} {first.help}", f"# TYPE {name} {first.kind}"]
+        for replica, family in per_replica:
+            lines += [f"{s}{_labelled(labels, replica)} {value}" for s, labels, value in family.samples]
+    for name, (first, per_replica) in merged.items():
+        if name in additive and name.startswith(SERVER_PREFIX):
+            lines += _sum_family(first, [family for _, family in per_replica])
+    return "\n".join(lines) + "\n" if lines else ""
+
+
+def _sum_family(first: Family, families: list[Family]) -> list[str]:
+    """``kvserve_cluster_X``: the samples of ``kvserve_X`` summed over replicas, label set by label set."""
+    sums: dict[tuple[str, str], float] = {}
+    for family in families:
+        for sample, labels, value in family.samples:
+            sums[(sample, labels)] = sums.get((sample, labels), 0.0) + float(value)
+    name = CLUSTER_PREFIX + first.name[len(SERVER_PREFIX):]
+    lines = [f"# HELP {name} {first.help} (summed over the replicas)", f"# TYPE {name} {first.kind}"]
+    for (sample, labels), total in sums.items():
+        lines.append(f"{CLUSTER_PREFIX}{sample[len(SERVER_PREFIX):]}{'{' + labels + '}' if labels else ''} "
+                     f"{_number(int(total) if total.is_integer() else total)}")
+    return lines
+
+
+class ClusterMetrics:
+    """What the ingress itself counts, and the whole cluster's ``/metrics`` body."""
+
+    def __init__(self):
+        self.decisions = Counter("kvserve_router_decisions_total",
+                                 "Routing decisions for forwarded requests, by policy and reason (round_robin, "
+                                 "least_loaded, prefix, session, spread; fallback: no replica was routable).")
+        self.cached_tokens = Histogram("kvserve_router_decision_cached_tokens",
+                                       "Prompt tokens the chosen replica holds in its prefix cache as the router "
+                                       "knows it, per routing decision of a generation request, by policy.",
+                                       CACHED_TOKEN_BUCKETS)
+        self.retries = Counter("kvserve_ingress_retries_total",
+                               "Requests retried on another replica after a failure before the first byte.")
+        self.failures = Counter("kvserve_replica_failures_total",
+                                "Replica failures the ingress saw, by replica and stage (before_first_byte, "
+                                "status_5xx, mid_stream, probe).")
+        self.breaker_state = Gauge("kvserve_replica_breaker_state",
+                                   "1 for each replica's circuit breaker state (closed, half_open, open).",
+                                   additive=False)
+        self.breaker_opened = Counter("kvserve_replica_breaker_opened_total",
+                                      "Times each replica's circuit breaker opened.")
+        self.replicas = Gauge("kvserve_cluster_replicas", "Replicas the router saw, by whether this scrape "
+                              "reached them (scraped: 1 or 0).")
+        self.rung = Gauge("kvserve_degradation_rung", "The degradation ladder's rung (0: normal), by name.",
+                          additive=False)
+        self.all = [self.decisions, self.cached_tokens, self.retries, self.failures, self.breaker_state,
+                    self.breaker_opened, self.replicas, self.rung]
+        self.additive = additive_families()
+
+    def observe_decision(self, decision: dict | None, generation: bool) -> None:
+        """A routing decision the router wrote into a forwarded request's route."""
+        if not decision:
+            return
+        self.decisions.inc(policy=decision["policy"], reason=decision["reason"])
+        if generation and decision["reason"] != "fallback":
+            self.cached_tokens.observe(decision["cached_tokens"], policy=decision["policy"])
+
+    def update_breakers(self, breakers: ReplicaBreakers) -> None:
+        """Mirror each known replica's breaker (dropped replicas' series go)."""
+        self.breaker_state.values.clear()
+        self.breaker_opened.values.clear()
+        for replica, state in breakers.states().items():
+            for one in BreakerState:
+                self.breaker_state.set(1 if one is state else 0, replica=replica, state=one.value)
+            self.breaker_opened.set_total(breakers.breakers[replica].times_opened, replica=replica)
+
+    def update_rung(self, rung) -> None:
+        """The degradation ladder's current rung (a ``ladder.Rung``)."""
+        self.rung.replace(int(rung), name=rung.name.lower())
+
+    def render(self, scrapes: dict[str, str], seen: list[str]) -> str:
+        """The ingress's ``/metrics``: the replicas' series (``scrapes``: replica -> its text),
+        their sums, then the ingress's own; ``seen``: the replicas the router knows."""
+        self.replicas.values.clear()
+        for replica in seen:
+            self.replicas.set(1 if replica in scrapes else 0, replica=replica)
+        return render_replicas(scrapes, self.additive) + render_metrics(self.all)
