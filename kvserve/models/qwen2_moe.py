@@ -26,6 +26,18 @@ from kvserve.models.moe import GroupedExperts, LocalDispatcher
 from kvserve.models.projection import module_weight_bytes
 
 
+def topk_route(x: torch.Tensor, router: torch.Tensor, top_k: int, norm_topk_prob: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen2-MoE's routing as Hugging Face computes it: softmax of ``x @ router.T`` in fp32,
+    the top ``top_k``, renormalised to sum 1 when ``norm_topk_prob``. Returns (ids [T, k]
+    int64, weights [T, k] in x's dtype)."""
+    probs = F.softmax(F.linear(x, router), dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(x.dtype)
+
+
 class Qwen2MoeSparseBlock(nn.Module):
     """Router + grouped routed experts + sigmoid-gated shared expert, on ``x [T, hidden]``.
 
@@ -48,13 +60,8 @@ class Qwen2MoeSparseBlock(nn.Module):
         self.expert_load: torch.Tensor | None = None
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype),
-        as Hugging Face computes them: softmax in fp32, top-k, optional renormalisation."""
-        probs = F.softmax(F.linear(x, self.router), dim=-1, dtype=torch.float32)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights /= weights.sum(dim=-1, keepdim=True)
-        return ids, weights.to(x.dtype)
+        """x [T, hidden] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
+        return topk_route(x, self.router, self.top_k, self.norm_topk_prob)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, hidden] (normed) -> the MLP's output [T, hidden]."""

@@ -13,7 +13,9 @@ Rank ``r`` of ``tp`` keeps:
   (the last rank's padded with zero rows): a token's embedding comes from the rank that
   holds its row (the others add zeros, one all-reduce) and the logits are all-gathered.
 
-Norms and rotary tables are replicated. Each rank's KV cache holds only its KV heads, so
+A mixture-of-experts block becomes expert-parallel (``expert_parallel.py``): each rank
+keeps ``E/N`` experts, tokens reach them by all-to-all. Norms and rotary tables are
+replicated. Each rank's KV cache holds only its KV heads, so
 its bytes per token are ``2 x layers x (KVH/tp or 1) x head_dim x dtype bytes``. The
 scheduler and its block ids are the same on every rank.
 """
@@ -30,6 +32,7 @@ from kvserve.errors import InvalidRequestError
 from kvserve.models.layers import SwiGLUMLP
 from kvserve.models.llama import LlamaAttention, LlamaForCausalLM
 from kvserve.models.projection import Projection
+from kvserve.parallel.expert_parallel import ExpertParallelBlock
 from kvserve.planner.kv_memory import kv_heads_per_gpu
 
 
@@ -42,8 +45,8 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> None:
         refuse("it must be >= 1")
     if tp == 1:
         return
-    if config.moe is not None:
-        refuse("mixture-of-experts layers are not tensor-parallel here; use expert parallelism")
+    if config.moe is not None and config.moe.num_experts % tp:
+        refuse(f"{config.moe.num_experts} experts do not split over {tp} ranks (expert parallelism)")
     if config.num_heads % tp:
         refuse(f"{config.num_heads} attention heads are not divisible by {tp}")
     try:
@@ -150,7 +153,10 @@ class TensorParallelModel(nn.Module):
         model.lm_head = _projection(head_rows, None)       # untied on every rank: its own rows
         for layer in model.layers:
             _shard_attention(layer.self_attn, group, tp)
-            _shard_mlp(layer.mlp, group, tp)
+            if isinstance(layer.mlp, SwiGLUMLP):
+                _shard_mlp(layer.mlp, group, tp)
+            else:                                          # a mixture of experts: expert parallel
+                layer.mlp = ExpertParallelBlock(layer.mlp, group)
 
     @property
     def rotary(self):
@@ -181,3 +187,8 @@ class TensorParallelModel(nn.Module):
     def decode_read_bytes(self) -> int:
         """Weight bytes this rank streams per decode step."""
         return self.model.decode_read_bytes()
+
+    def expert_parallel_blocks(self) -> dict[int, ExpertParallelBlock]:
+        """Layer index -> its expert-parallel block (empty for a dense model)."""
+        return {i: layer.mlp for i, layer in enumerate(self.model.layers)
+                if isinstance(layer.mlp, ExpertParallelBlock)}

@@ -40,13 +40,14 @@ def test_default_model_splits(tp, why):
         assert err.value.param == "tensor_parallel_size"
 
 
-def test_uneven_kv_heads_mlp_width_and_moe_are_refused():
+def test_uneven_kv_heads_mlp_width_and_experts_are_refused():
     with pytest.raises(InvalidRequestError, match="3 KV heads neither divide"):
         check_tensor_parallel(config(12, 3), 2)          # 12 q heads split, 3 KV heads cannot
     with pytest.raises(InvalidRequestError, match="MLP width 250"):
         check_tensor_parallel(config(8, 4, inter=250), 4)
-    with pytest.raises(InvalidRequestError, match="expert parallelism"):
-        check_tensor_parallel(config(8, 4, moe=MoEConfig(8, 2, 64)), 2)
+    check_tensor_parallel(config(8, 4, moe=MoEConfig(8, 2, 64)), 2)      # experts split 4 + 4
+    with pytest.raises(InvalidRequestError, match="8 experts do not split over 3 ranks"):
+        check_tensor_parallel(config(6, 3, inter=96, moe=MoEConfig(8, 2, 64)), 3)
     with pytest.raises(InvalidRequestError, match=">= 1"):
         check_tensor_parallel(config(8, 4), 0)
 
