@@ -16,9 +16,9 @@ One sparse layer:
    expert of its slice;
 5. all-gather of the slices: ``[T, H]`` again on every rank.
 
-Per forward the block records the global tokens per expert (``expert_load``) and the
-seconds its three collectives took (``comm_seconds``), for the load-imbalance and
-all-to-all tail metrics.
+Per forward the block records the global rows per expert (``expert_load``, kept in
+``load_history``) and the seconds its three collectives took (``comm_seconds``), for the
+load-imbalance and all-to-all tail metrics (the last 4,096 forwards).
 """
 from __future__ import annotations
 
@@ -64,6 +64,7 @@ class ExpertParallelBlock(nn.Module):
             block.experts.experts[self.first_expert:self.first_expert + self.local_experts])
         self.dispatcher = LocalDispatcher(num_experts)
         self.expert_load: torch.Tensor | None = None              # global rows per expert, last forward
+        self.load_history: list[torch.Tensor] = []                # per forward: ``expert_load`` (last 4,096)
         self.comm_seconds: list[float] = []                       # per forward: its collectives' seconds
 
     def _slice(self, num_tokens: int, rank: int) -> tuple[int, int]:
@@ -76,6 +77,8 @@ class ExpertParallelBlock(nn.Module):
         comm_before = group.comm_seconds
         ids, weights = topk_route(x, self.router, self.top_k, self.norm_topk_prob)    # all T tokens
         self.expert_load = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
+        self.load_history.append(self.expert_load)
+        del self.load_history[:-4096]
         per_source = torch.stack([torch.bincount(ids[slice(*self._slice(x.shape[0], s))].reshape(-1),
                                                  minlength=self.num_experts) for s in range(world)])
         lo, hi = self._slice(x.shape[0], group.rank)
