@@ -77,20 +77,21 @@ def _projection(weight: torch.Tensor, bias: torch.Tensor | None) -> Projection:
     return proj
 
 
-class RowParallel(nn.Module):
+class RowParallel(Projection):
     """A projection whose input features are split across ranks: each rank's partial
-    product is summed over the ranks (one all-reduce); a bias is added once, after it."""
+    product is summed over the ranks (one all-reduce); a bias is added once, after it.
+    A ``Projection`` itself, so packing and the layouts log treat it as one."""
 
-    def __init__(self, proj: Projection, group):
-        super().__init__()
-        self.bias = proj.bias
-        proj.bias = None
-        self.proj, self.group = proj, group
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, group):
+        super().__init__(weight.shape[0], weight.shape[1])
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.row_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / tp] -> [T, out], the same on every rank."""
-        y = self.group.all_reduce_(self.proj(x))
-        return y if self.bias is None else y.add_(self.bias)
+        y = self.group.all_reduce_(super().forward(x))
+        return y if self.row_bias is None else y.add_(self.row_bias)
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T`` (``out`` is the residual stream, the same on every rank)."""
@@ -107,7 +108,7 @@ def _shard_attention(attn: LlamaAttention, group, tp: int) -> None:
               (q + kv + kv0 * d, q + kv + (kv0 + kv_heads) * d)]
     attn.qkv_proj = _projection(_rows(attn.qkv_proj.weight, ranges), _rows(attn.qkv_proj.bias, ranges))
     o = attn.o_proj
-    attn.o_proj = RowParallel(_projection(o.weight[:, q0 * d:(q0 + heads) * d].contiguous(), o.bias), group)
+    attn.o_proj = RowParallel(o.weight[:, q0 * d:(q0 + heads) * d].contiguous(), o.bias, group)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
     attn.q_size, attn.kv_size = heads * d, kv_heads * d
 
@@ -119,7 +120,7 @@ def _shard_mlp(mlp: SwiGLUMLP, group, tp: int) -> None:
     mlp.gate_up_proj = _projection(_rows(mlp.gate_up_proj.weight, [(lo, lo + width), (inter + lo, inter + lo + width)]),
                                    None)
     down = mlp.down_proj
-    mlp.down_proj = RowParallel(_projection(down.weight[:, lo:lo + width].contiguous(), down.bias), group)
+    mlp.down_proj = RowParallel(down.weight[:, lo:lo + width].contiguous(), down.bias, group)
     mlp.intermediate_size = width
 
 
@@ -161,6 +162,11 @@ class TensorParallelModel(nn.Module):
     @property
     def rotary(self):
         return self.model.rotary
+
+    @property
+    def layers(self):
+        """This rank's decoder layers (their projections are what quantisation transforms)."""
+        return self.model.layers
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: torch.Tensor,
                 backend, meta) -> torch.Tensor:
