@@ -1,5 +1,6 @@
 """``kvserve cluster serve``: N ``EngineReplica``s on Ray Serve behind the ``Ingress``, routed
-by ``KVServeRequestRouter`` (docs/cluster.md). Ray runs locally on 127.0.0.1
+by ``KVServeRequestRouter`` (docs/cluster.md), and with ``--fallback-model`` a second
+``EngineReplica`` deployment of that model for the ladder's ``overflow_chat`` rung. Ray runs locally on 127.0.0.1
 (``ray_runtime.py``); ``build_app`` is also the entry point for deploying on an existing
 Ray cluster."""
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 from kvserve.cluster.ray_runtime import LOOPBACK, start_local_ray, stop_local_ray  # first: pins Ray to loopback
 from kvserve.cluster.ingress import Ingress
 from kvserve.cluster.ladder import LadderSettings
+from kvserve.cluster.overflow import FallbackTarget
 from kvserve.cluster.replica import EngineReplica
 from ray import serve  # noqa: E402  (after ray_runtime)
 from ray.serve.config import RequestRouterConfig  # noqa: E402
@@ -29,26 +31,61 @@ def build_app(args: argparse.Namespace):
     model_path = resolve_model_path(args.model)
     tenants = load_tenants(args.tenants) if getattr(args, "tenants", None) else None
     keys, _admin = server_keys(args, tenants)
-    router = RequestRouterConfig(
-        request_router_class="kvserve.cluster.ray_router:KVServeRequestRouter",
-        request_router_kwargs={"policy": args.router, "weights": getattr(args, "router_weights", None)},
-        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
-    replica = serve.deployment(EngineReplica, name="engine", num_replicas=args.replicas,
-                               ray_actor_options={"num_cpus": args.replica_cpus}, request_router_config=router,
-                               max_ongoing_requests=max(64, 4 * args.max_num_seqs), health_check_period_s=2.0)
+    replica = _engine_deployment("engine", args.replicas, args.router, args)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
-    return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args))
+    target = fallback_target(args, model_path)
+    if target is None:
+        return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, None))
+    # the fallback's router: least_loaded (the ingress tokenises with the fleet's tokenizer)
+    fallback = _engine_deployment("fallback", args.fallback_replicas, "least_loaded", args)
+    return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, target),
+                        fallback=fallback.bind(fallback_args(args)), overflow=target)
 
 
-def ladder_settings(args: argparse.Namespace) -> LadderSettings | None:
-    """The degradation ladder's settings from the options (None: ``--no-ladder``)."""
+def _engine_deployment(name: str, replicas: int, policy: str, args: argparse.Namespace):
+    """An ``EngineReplica`` deployment routed by ``KVServeRequestRouter`` with ``policy``."""
+    router = RequestRouterConfig(
+        request_router_class="kvserve.cluster.ray_router:KVServeRequestRouter",
+        request_router_kwargs={"policy": policy, "weights": getattr(args, "router_weights", None)},
+        request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
+    return serve.deployment(EngineReplica, name=name, num_replicas=replicas,
+                            ray_actor_options={"num_cpus": args.replica_cpus}, request_router_config=router,
+                            max_ongoing_requests=max(64, 4 * args.max_num_seqs), health_check_period_s=2.0)
+
+
+def fallback_args(args: argparse.Namespace) -> argparse.Namespace:
+    """The fallback replicas' ``kvserve serve`` arguments: the fleet's, with the fallback
+    model, its own KV budget (``--fallback-kv-cache-gib``, default the fleet's) and nothing
+    tied to the fleet's model (served name, draft model, LoRA adapters)."""
+    values = dict(vars(args))
+    budget = getattr(args, "fallback_kv_cache_gib", None)
+    values.update(model=args.fallback_model, kv_cache_gib=budget if budget is not None else args.kv_cache_gib,
+                  served_model_name=None, speculative=None, enable_lora=False, lora_modules=None)
+    return argparse.Namespace(**values)
+
+
+def fallback_target(args: argparse.Namespace, model_path: str) -> FallbackTarget | None:
+    """What the ingress needs of the fallback (None without ``--fallback-model`` or with
+    ``--no-ladder``: the overflow rung is then never engaged)."""
+    from kvserve.loader import resolve_model_path
+    from kvserve.server.cli import model_names
+    if not getattr(args, "fallback_model", None) or not getattr(args, "ladder", True):
+        return None
+    name, _aliases = model_names(resolve_model_path(args.fallback_model), None)
+    _name, fleet = model_names(model_path, getattr(args, "served_model_name", None))
+    return FallbackTarget(name, fleet, fleet_slots=args.replicas * args.max_num_seqs)
+
+
+def ladder_settings(args: argparse.Namespace, target: FallbackTarget | None = None) -> LadderSettings | None:
+    """The degradation ladder's settings from the options (None: ``--no-ladder``); the
+    ``overflow_chat`` rung is on when ``target`` (the fallback) is given."""
     if not getattr(args, "ladder", True):
         return None
     tenants = frozenset(t.strip() for t in (args.priority_tenants or "").split(",") if t.strip())
     return LadderSettings(chat_ttft_slo_s=args.chat_ttft_slo, engage_dwell_s=args.ladder_dwell_s,
                           release_dwell_s=3 * args.ladder_dwell_s, batch_max_tokens=args.batch_max_tokens,
-                          priority_tenants=tenants)
+                          fallback_model=target.model_name if target else None, priority_tenants=tenants)
 
 
 def run_cluster(args: argparse.Namespace) -> int:
@@ -62,7 +99,8 @@ def run_cluster(args: argparse.Namespace) -> int:
     print(f"kvserve: Ray node address {node}", file=sys.stderr, flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(args), name="kvserve", route_prefix="/", blocking=False)
-    print(f"kvserve: {args.replicas} replicas ({args.router} routing) on http://{args.host}:{args.port}",
+    fallback = f", {args.fallback_replicas} fallback ({args.fallback_model})" if args.fallback_model else ""
+    print(f"kvserve: {args.replicas} replicas ({args.router} routing){fallback} on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -49,4 +49,10 @@ def register(subparsers) -> None:
     lad.add_argument("--batch-max-tokens", type=int, default=256, help="batch requests' cap from rung 2 (default 256)")
     lad.add_argument("--priority-tenants", default="",
                      help="comma-separated tenants still admitted at the top rung (none: the rung is skipped)")
+    lad.add_argument("--fallback-model", default=None, metavar="PATH",
+                     help="a smaller model for rung 4, overflow_chat: chat requests beyond the fleet's decode "
+                          "slots go to it while the rung is engaged (none: the rung is skipped)")
+    lad.add_argument("--fallback-replicas", type=int, default=1, help="replicas of the fallback model (default 1)")
+    lad.add_argument("--fallback-kv-cache-gib", type=float, default=None,
+                     help="each fallback replica's KV budget in GiB (default: --kv-cache-gib)")
     p.set_defaults(func=run)

@@ -13,75 +13,67 @@ replica reporting an unhealthy engine (which opens it at once); while a breaker 
 closed the router skips that replica, and once ``open_s`` passed the ingress sends it one
 ``/ready`` probe pinned to it: 200 closes the breaker, anything else opens it again.
 
+Rung 4 of the degradation ladder, ``overflow_chat``, sends chat requests beyond what the
+fleet takes to the fallback deployment when one is configured (``overflow.py``); every
+forwarded answer says which served it (``x-kvserve-served-by: fleet|fallback``).
+
 ``GET /metrics`` is answered here: every replica's ``/metrics`` (scraped with the caller's
 headers, pinned to each replica the router knows, so the replicas' own auth applies),
 relabelled and summed, plus the ingress's series (``metrics.py``)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import time
+from dataclasses import dataclass
 
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 from kvserve.cluster.breaker import ReplicaBreakers
-from kvserve.cluster.degrade import HEADER, DegradationController, request_class
+from kvserve.cluster.degrade import HEADER, DegradationController
 from kvserve.cluster.ladder import LadderSettings
 from kvserve.cluster.metrics import ClusterMetrics
-from kvserve.server.auth import cache_salt, match_key
+from kvserve.cluster.overflow import SERVED_BY_HEADER, FallbackTarget, InFlight, for_fallback, overflows
+from kvserve.cluster.route_view import route_for, sse_error
 
 logger = logging.getLogger("kvserve.cluster")
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 FAULT_STATUSES = frozenset({500, 502, 504})     # a replica's own failure (503 is a refusal: overload, draining)
 SCRAPE_TIMEOUT_S = 10.0                          # per replica, for /metrics scrapes and /ready probes
 
 
-def route_for(path: str, body: bytes, authorization: bytes | None, tokenizer, keys: dict) -> dict:
-    """The router's view of a request: ``tokens`` (the first prompt's ids; empty when the
-    body is not a generation request the server would accept), ``cache_salt``, ``session``;
-    and for the ladder ``tenant`` and ``service_class`` (None: not a generation request)."""
-    from kvserve.server import protocol
-    from kvserve.server.tool_prompt import render_chat_prompt
-    grant = match_key(keys, authorization) if keys else None
-    route = {"tokens": [], "cache_salt": cache_salt(grant.tenant if grant else None), "session": None,
-             "tenant": grant.tenant if grant else None, "service_class": None}
-    if path not in GENERATION_PATHS:
-        return route
-    try:
-        values = json.loads(body)
-        route["session"] = values.get("prompt_cache_key")
-        route["service_class"] = request_class(values, grant.service_class if grant else None)
-        if path == "/v1/chat/completions":
-            spec = protocol.parse_chat(values)
-            route["tokens"] = tokenizer.encode(render_chat_prompt(tokenizer, spec.messages, spec.tools),
-                                               add_special_tokens=False)
-        elif not values.get("suffix"):
-            first = protocol.parse_completion(values).prompts[0]
-            route["tokens"] = list(first.token_ids) if first.token_ids is not None else tokenizer.encode(first.text)
-    except Exception:               # the replica refuses it with the right error; route it anywhere
-        route["tokens"] = []
-    return route
+def _nothing() -> None:
+    """A request this ingress does not count in flight."""
 
 
-def _sse_error(message: str) -> bytes:
-    body = {"error": {"message": message, "type": "server_error", "code": "replica_failed"}}
-    return f"data: {json.dumps(body)}\n\ndata: [DONE]\n\n".encode()
+@dataclass
+class Pool:
+    """One deployment the ingress forwards to (``fleet`` or ``fallback``): its streaming
+    handle and its replicas' circuit breakers."""
+
+    name: str
+    deployment: object               # the DeploymentHandle (stream=True)
+    breakers: ReplicaBreakers
 
 
 class Ingress:
-    """Ray Serve deployment: ``replicas`` is the handle on the ``EngineReplica`` deployment."""
+    """Ray Serve deployment: ``replicas`` is the handle on the ``EngineReplica`` deployment;
+    ``fallback`` (with ``overflow``) the one on the fallback model's, if configured."""
 
-    def __init__(self, replicas, model_path: str, keys: dict, ladder: LadderSettings | None = None):
+    def __init__(self, replicas, model_path: str, keys: dict, ladder: LadderSettings | None = None,
+                 fallback=None, overflow: FallbackTarget | None = None):
         from kvserve.tokenizer import Tokenizer
         from kvserve.cluster.ray_runtime import pin_replica_grpc_to_loopback
         pin_replica_grpc_to_loopback()
-        self.replicas = replicas.options(stream=True)
+        self.fleet = Pool("fleet", replicas.options(stream=True), ReplicaBreakers())
+        self.fallback = Pool("fallback", fallback.options(stream=True), ReplicaBreakers()) \
+            if fallback is not None and overflow is not None else None
+        self.overflow = overflow if self.fallback is not None else None
+        self.in_flight = InFlight()                 # generation requests on the fleet (overflow's measure)
         self.tokenizer = Tokenizer.load(model_path)
         self.keys = keys
         self.degradation = DegradationController(ladder) if ladder is not None else None
-        self.breakers = ReplicaBreakers()
         self.metrics = ClusterMetrics()
         self._probes: set[asyncio.Task] = set()     # /ready probes in flight (held so they are not collected)
 
@@ -93,75 +85,99 @@ class Ingress:
             return await self._scrape(request.url.query, headers)
         route = await asyncio.to_thread(route_for, path, body, request.headers.get("authorization", "").encode()
                                         or None, self.tokenizer, self.keys)
-        service_class = route.pop("service_class")
+        service_class, model = route.pop("service_class"), route.pop("model")
         if self.degradation is not None and service_class is not None:
             body, refusal = self.degradation.apply(body, service_class, route["tenant"])
             if refusal is not None:
                 return self._refuse(refusal)
+        pool = self._pool_for(service_class, model)
+        if pool is self.fallback:
+            body = for_fallback(body, self.overflow)
+            self.metrics.overflowed.inc()
+        leave = self.in_flight.ticket() if pool is self.fleet and service_class is not None else _nothing
         started = time.monotonic()
-        opened = await self._forward(request.method, path, request.url.query, headers, body, route,
-                                     generation=service_class is not None)
-        if isinstance(opened, Response):
+        try:
+            opened = await self._forward(pool, request.method, path, request.url.query, headers, body, route,
+                                         generation=service_class is not None)
+        except BaseException:
+            leave()
+            raise
+        if isinstance(opened, Response):         # no replica took it: the request is over
+            leave()
             return opened
         stream, head = opened
         head_headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
         head_headers["x-kvserve-replica"] = head.get("replica", "")
+        head_headers[SERVED_BY_HEADER] = pool.name
         on_first = None
         if self.degradation is not None:
             head_headers[HEADER] = self.degradation.current().header
-            if service_class is not None:        # the ladder's signal: time to the first body byte (TTFT)
+            if service_class is not None and pool is self.fleet:     # the ladder measures the fleet: its TTFT
                 def on_first():
                     self.degradation.record(service_class, head["status"], time.monotonic() - started)
         is_sse = head_headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._relay(stream, is_sse, head.get("replica", ""), on_first),
-                                 status_code=head["status"], headers=head_headers)
+        return StreamingResponse(self._relay(pool, stream, is_sse, head.get("replica", ""), on_first, leave),
+                                 status_code=head["status"], headers=head_headers, background=BackgroundTask(leave))
 
-    async def _forward(self, method: str, path: str, query: str, headers: list, body: bytes, route: dict,
-                       generation: bool):
-        """Send the request to the router's replica and wait for its head: ``(stream, head)``;
-        a failure before the first byte is retried once elsewhere, then a 503 ``Response``."""
+    def _pool_for(self, service_class, model) -> Pool:
+        """The fallback for a request the ``overflow_chat`` rung sends there, else the fleet."""
+        if self.fallback is not None and self.degradation is not None and overflows(
+                self.degradation.current(), service_class, model, self.in_flight.count, self.overflow):
+            return self.fallback
+        return self.fleet
+
+    async def _forward(self, pool: Pool, method: str, path: str, query: str, headers: list, body: bytes,
+                       route: dict, generation: bool):
+        """Send the request to the replica ``pool``'s router picks and wait for its head:
+        ``(stream, head)``; a failure before the first byte is retried once elsewhere, then a
+        503 ``Response``."""
         for attempt in (1, 2):
-            sent = {**route, "blocked": self.breakers.blocked()}     # the router writes its decision here
-            stream = self.replicas.handle.remote(method, path, query, headers, body, route=sent)
+            sent = {**route, "blocked": pool.breakers.blocked()}     # the router writes its decision here
+            stream = pool.deployment.handle.remote(method, path, query, headers, body, route=sent)
             try:
                 head = await stream.__anext__()
             except Exception as exc:     # the replica died or failed before its first byte
-                failed = self._observe_decision(sent, generation) or \
+                failed = self._observe_decision(pool, sent, generation) or \
                     getattr(getattr(exc, "cause", None), "replica_id", None)
-                logger.warning("replica %s failed before the first byte (attempt %d): %r", failed, attempt, exc)
+                logger.warning("%s replica %s failed before the first byte (attempt %d): %r", pool.name, failed,
+                               attempt, exc)
                 if failed:
-                    self._replica_failed(failed, "before_first_byte")
+                    self._replica_failed(pool, failed, "before_first_byte")
                     route = {**route, "avoid": [*route.get("avoid", ()), failed]}
                 if attempt == 1:
                     self.metrics.retries.inc()
                 continue
-            self._observe_decision(sent, generation)
+            self._observe_decision(pool, sent, generation)
             replica = head.get("replica", "")
             if head["status"] in FAULT_STATUSES:
-                self._replica_failed(replica, "status_5xx")
+                self._replica_failed(pool, replica, "status_5xx")
             else:
-                self.breakers.on_success(replica)
+                pool.breakers.on_success(replica)
             return stream, head
         return JSONResponse({"error": {"message": "no replica could take the request", "type": "server_error",
                                        "param": None, "code": "replica_failed"}}, status_code=503,
                             headers={"Retry-After": "1"})
 
-    def _observe_decision(self, route: dict, generation: bool | None) -> str | None:
-        """Read the router's decision off ``route`` (``ray_router.py``): count it (unless
-        ``generation`` is None: the ingress's own scrapes and probes), keep a breaker for
-        each running replica, open those reporting an unhealthy engine; the chosen replica."""
+    def _observe_decision(self, pool: Pool, route: dict, generation: bool | None) -> str | None:
+        """Read the router's decision off ``route`` (``ray_router.py``): for the fleet count it
+        (unless ``generation`` is None: the ingress's own scrapes and probes) and hand the
+        ladder the fullest replica's KV use; keep a breaker for each running replica of the
+        pool, open those reporting an unhealthy engine; the chosen replica."""
         decision = route.get("decision")
         if not decision:
             return None
-        if generation is not None:
-            self.metrics.observe_decision(decision, generation)
-        self.breakers.retain(decision["replicas"])
+        if pool is self.fleet:
+            if generation is not None:
+                self.metrics.observe_decision(decision, generation)
+            if self.degradation is not None and "kv_usage" in decision:
+                self.degradation.observe_kv(decision["kv_usage"])
+        pool.breakers.retain(decision["replicas"])
         for replica in decision["unhealthy"]:
-            self.breakers.trip(replica)
+            pool.breakers.trip(replica)
         return decision["replica"]
 
-    def _replica_failed(self, replica: str, stage: str) -> None:
-        self.breakers.on_failure(replica)
+    def _replica_failed(self, pool: Pool, replica: str, stage: str) -> None:
+        pool.breakers.on_failure(replica)
         self.metrics.failures.inc(replica=replica, stage=stage)
 
     def _refuse(self, message: str) -> Response:
@@ -170,7 +186,9 @@ class Ingress:
         return JSONResponse({"error": error}, status_code=503,
                             headers={"Retry-After": "5", HEADER: self.degradation.current().header})
 
-    async def _relay(self, stream, is_sse: bool, replica: str, on_first=None):
+    async def _relay(self, pool: Pool, stream, is_sse: bool, replica: str, on_first=None, on_end=None):
+        """The replica's body chunks; ``on_first`` after the first, ``on_end`` once it ends
+        (however it ends)."""
         try:
             async for chunk in stream:
                 if on_first is not None:
@@ -179,30 +197,34 @@ class Ingress:
                 yield chunk
         except Exception as exc:
             logger.warning("replica %s failed mid-stream: %r", replica, exc)
-            self._replica_failed(replica, "mid_stream")
+            self._replica_failed(pool, replica, "mid_stream")
             if is_sse:
-                yield _sse_error("the replica serving this stream failed")
+                yield sse_error("the replica serving this stream failed")
             else:
                 raise
+        finally:
+            if on_end is not None:
+                on_end()
 
-    async def _fetch(self, path: str, query: str, headers: list, pin: str | None) -> tuple[dict, bytes, dict]:
-        """One whole GET through the router, to replica ``pin`` (None: the policy's choice):
-        the replica's head, its body and the router's decision."""
-        route = {"tokens": [], "replica": pin, "blocked": self.breakers.blocked()}
+    async def _fetch(self, pool: Pool, path: str, query: str, headers: list,
+                     pin: str | None) -> tuple[dict, bytes, dict]:
+        """One whole GET through ``pool``'s router, to replica ``pin`` (None: the policy's
+        choice): the replica's head, its body and the router's decision."""
+        route = {"tokens": [], "replica": pin, "blocked": pool.breakers.blocked()}
 
         async def exchange():
-            stream = self.replicas.handle.remote("GET", path, query, headers, b"", route=route)
+            stream = pool.deployment.handle.remote("GET", path, query, headers, b"", route=route)
             head = await stream.__anext__()
             return head, b"".join([chunk async for chunk in stream])
         head, body = await asyncio.wait_for(exchange(), SCRAPE_TIMEOUT_S)
-        self._observe_decision(route, None)
+        self._observe_decision(pool, route, None)
         return head, body, route.get("decision") or {}
 
     async def _scrape(self, query: str, headers: list) -> Response:
         """``GET /metrics``: one replica through the router (which names them all), then each
         other one pinned; a replica that does not answer is left out (``kvserve_cluster_replicas``)."""
         try:
-            head, body, decision = await self._fetch("/metrics", query, headers, None)
+            head, body, decision = await self._fetch(self.fleet, "/metrics", query, headers, None)
         except Exception as exc:
             logger.warning("metrics scrape failed: %r", exc)
             return JSONResponse({"error": {"message": "no replica answered the metrics scrape", "type":
@@ -212,38 +234,42 @@ class Ingress:
                             headers={k: v for k, v in head["headers"] if k.lower() != "content-length"})
         scrapes = {head.get("replica", ""): body.decode()}
         others = [r for r in decision.get("replicas", ()) if r not in scrapes]
-        results = await asyncio.gather(*(self._fetch("/metrics", query, headers, r) for r in others),
+        results = await asyncio.gather(*(self._fetch(self.fleet, "/metrics", query, headers, r) for r in others),
                                        return_exceptions=True)
         for replica, result in zip(others, results):
             if not isinstance(result, BaseException) and result[0]["status"] == 200 \
                     and result[0].get("replica") == replica:
                 scrapes[replica] = result[1].decode()
-        self.metrics.update_breakers(self.breakers)
+        self.metrics.update_breakers(*(pool.breakers for pool in self._pools()))
         if self.degradation is not None:
-            self.metrics.update_rung(self.degradation.current().rung)
+            self.metrics.update_ladder(self.degradation)
         text = self.metrics.render(scrapes, list(decision.get("replicas", scrapes)))
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
+    def _pools(self) -> list[Pool]:
+        return [self.fleet] if self.fallback is None else [self.fleet, self.fallback]
+
     def _start_probes(self) -> None:
         """Send each half-open replica its ``/ready`` probe (in the background)."""
-        for replica in self.breakers.due_probes():
-            task = asyncio.create_task(self._probe(replica))
-            self._probes.add(task)
-            task.add_done_callback(self._probes.discard)
+        for pool in self._pools():
+            for replica in pool.breakers.due_probes():
+                task = asyncio.create_task(self._probe(pool, replica))
+                self._probes.add(task)
+                task.add_done_callback(self._probes.discard)
 
-    async def _probe(self, replica: str) -> None:
+    async def _probe(self, pool: Pool, replica: str) -> None:
         """``/ready`` pinned to ``replica``: 200 closes its breaker; an error or another status
         opens it again; an answer from another replica means it is gone (forgotten)."""
         try:
-            head, _body, _decision = await self._fetch("/ready", "", [], replica)
+            head, _body, _decision = await self._fetch(pool, "/ready", "", [], replica)
         except Exception as exc:
             logger.warning("probe of replica %s failed: %r", replica, exc)
-            self._replica_failed(replica, "probe")
+            self._replica_failed(pool, replica, "probe")
             return
         if head.get("replica") != replica:
-            self.breakers.forget(replica)
+            pool.breakers.forget(replica)
         elif head["status"] == 200:
             logger.info("replica %s passed its probe: back in routing", replica)
-            self.breakers.on_success(replica)
+            pool.breakers.on_success(replica)
         else:
-            self._replica_failed(replica, "probe")
+            self._replica_failed(pool, replica, "probe")

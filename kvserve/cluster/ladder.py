@@ -6,8 +6,8 @@ Rungs, each keeping the ones below it:
    requests need once the batch is full);
 2. ``cap_batch_tokens``: batch-class requests get at most ``batch_max_tokens`` output tokens;
 3. ``shed_batch``: batch-class requests are refused (503 + Retry-After);
-4. ``overflow_chat``: chat traffic beyond what the fleet takes goes to a smaller fallback
-   model (skipped when none is configured);
+4. ``overflow_chat``: chat traffic beyond what the fleet takes (its decode slots all busy)
+   goes to a smaller fallback model (skipped when none is configured; ``overflow.py``);
 5. ``priority_only``: only the priority tenants are admitted (skipped when none are named).
 
 The one number that moves the ladder is the **pressure**, the largest of three measured
@@ -18,7 +18,9 @@ ratios, each 1.0 exactly where it starts to hurt:
                    503 refusal rate / rejection_high)
 
 A queue wait equal to the chat TTFT SLO means chat requests miss it on queueing alone; KV at
-``kv_high`` (0.95) means the next admissions preempt; refusals at ``rejection_high`` (5%)
+``kv_high`` (0.95) means the next admissions preempt (5% of a 2,000-block pool of 16-token
+blocks is 100 blocks: one 1,000-token prompt takes 63 of them, and 32 running sequences
+fill the rest in ~48 decode steps, a few seconds); refusals at ``rejection_high`` (5%)
 means one request in twenty already fails. At pressure >= ``engage_at`` (1.0) held for
 ``engage_dwell_s`` the next rung engages (one rung per dwell, so in order); at pressure <=
 ``release_at`` (0.6) held for ``release_dwell_s`` the top rung releases. Between the two the
@@ -92,10 +94,16 @@ class Degradation:
         return f"{int(self.rung)}; {self.rung.name.lower()}"
 
 
+def pressure_components(signal: LoadSignal, settings: LadderSettings) -> dict[str, float]:
+    """The three ratios by signal name (``chat_queue_wait``, ``kv_usage``, ``rejection_rate``)."""
+    return {"chat_queue_wait": signal.chat_queue_wait_s / settings.chat_ttft_slo_s,
+            "kv_usage": signal.kv_usage / settings.kv_high,
+            "rejection_rate": signal.rejection_rate / settings.rejection_high}
+
+
 def pressure(signal: LoadSignal, settings: LadderSettings) -> float:
     """The largest of the three ratios (1.0 = where each starts to hurt)."""
-    return max(signal.chat_queue_wait_s / settings.chat_ttft_slo_s, signal.kv_usage / settings.kv_high,
-               signal.rejection_rate / settings.rejection_high)
+    return max(pressure_components(signal, settings).values())
 
 
 def available_rungs(settings: LadderSettings) -> list[Rung]:

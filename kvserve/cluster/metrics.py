@@ -121,8 +121,16 @@ class ClusterMetrics:
                               "reached them (scraped: 1 or 0).")
         self.rung = Gauge("kvserve_degradation_rung", "The degradation ladder's rung (0: normal), by name.",
                           additive=False)
+        self.engagements = Counter("kvserve_degradation_engagements_total",
+                                   "Times each degradation rung engaged (the ladder climbed onto it), by name.")
+        self.pressure = Gauge("kvserve_degradation_pressure",
+                              "The ladder's pressure ratios at its last move (1.0: where each starts to hurt), "
+                              "by signal (chat_queue_wait, kv_usage, rejection_rate); the ladder reads the largest.",
+                              additive=False)
+        self.overflowed = Counter("kvserve_degradation_overflowed_total",
+                                  "Chat requests the overflow_chat rung sent to the fallback model.")
         self.all = [self.decisions, self.cached_tokens, self.retries, self.failures, self.breaker_state,
-                    self.breaker_opened, self.replicas, self.rung]
+                    self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed]
         self.additive = additive_families()
 
     def observe_decision(self, decision: dict | None, generation: bool) -> None:
@@ -133,18 +141,28 @@ class ClusterMetrics:
         if generation and decision["reason"] != "fallback":
             self.cached_tokens.observe(decision["cached_tokens"], policy=decision["policy"])
 
-    def update_breakers(self, breakers: ReplicaBreakers) -> None:
-        """Mirror each known replica's breaker (dropped replicas' series go)."""
+    def update_breakers(self, *pools: ReplicaBreakers) -> None:
+        """Mirror each known replica's breaker, of every pool (dropped replicas' series go)."""
         self.breaker_state.values.clear()
         self.breaker_opened.values.clear()
-        for replica, state in breakers.states().items():
-            for one in BreakerState:
-                self.breaker_state.set(1 if one is state else 0, replica=replica, state=one.value)
-            self.breaker_opened.set_total(breakers.breakers[replica].times_opened, replica=replica)
+        for breakers in pools:
+            for replica, state in breakers.states().items():
+                for one in BreakerState:
+                    self.breaker_state.set(1 if one is state else 0, replica=replica, state=one.value)
+                self.breaker_opened.set_total(breakers.breakers[replica].times_opened, replica=replica)
 
     def update_rung(self, rung) -> None:
         """The degradation ladder's current rung (a ``ladder.Rung``)."""
         self.rung.replace(int(rung), name=rung.name.lower())
+
+    def update_ladder(self, controller) -> None:
+        """Mirror a ``degrade.DegradationController``: its rung, each rung's engagements (every
+        rung this configuration can use, 0 until it engaged) and its pressure ratios."""
+        self.update_rung(controller.current().rung)
+        for rung, times in controller.engagements.items():
+            self.engagements.set_total(times, name=rung.name.lower())
+        for name, ratio in controller.pressure_components().items():
+            self.pressure.set(round(ratio, 6), signal=name)
 
     def render(self, scrapes: dict[str, str], seen: list[str]) -> str:
         """The ingress's ``/metrics``: the replicas' series (``scrapes``: replica -> its text),

@@ -6,8 +6,8 @@ circuit breaker the ingress holds open (``route["blocked"]``). Ray Serve's route
 alpha: ray[serve] is pinned (pyproject's ``cluster`` extra).
 
 The router reports each decision by writing it into the request's ``route`` (``route
-["decision"]``: replica, policy, reason, cached tokens, the replicas it saw and those that
-reported an unhealthy engine). Ray Serve 2.60 runs a handle's request router in the process
+["decision"]``: replica, policy, reason, cached tokens, the replicas it saw, those that
+reported an unhealthy engine, and the KV use of the fullest one, for the degradation ladder). Ray Serve 2.60 runs a handle's request router in the process
 that holds the handle (the ingress), hands ``choose_replicas`` the caller's keyword
 arguments (a shallow copy: ``route`` is the ingress's own dict) and serialises them only
 when it sends the request, so the ingress reads the decision there, even when the replica
@@ -82,7 +82,8 @@ class KVServeRequestRouter(RequestRouter):
                              "policy": decision.policy if decision else self.policy.name,
                              "reason": decision.reason if decision else "fallback",
                              "cached_tokens": decision.cached_tokens if decision else 0,
-                             "replicas": [s.name for s in states], "unhealthy": unhealthy}
+                             "replicas": [s.name for s in states], "unhealthy": unhealthy,
+                             "kv_usage": max((s.kv_usage for s in states), default=0.0)}
         if decision is None:
             return [candidate_replicas]              # none routable: let Ray Serve try them all
         chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)
