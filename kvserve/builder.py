@@ -15,7 +15,9 @@ It lives outside ``engine/`` so that the engine never imports ``speculative/``.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import time
 
 import torch
 
@@ -96,12 +98,15 @@ def build_constraints(model_path: str, vocab_size: int):
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again.
     With ``tensor_parallel_size`` > 1 the workers of ranks 1..N-1 are started here and
-    stopped by ``EngineCore.close`` (or if the build fails)."""
-    from kvserve.loader import load_checkpoint
+    stopped by ``EngineCore.close`` (or if the build fails). The seconds of each start-up
+    phase land in ``EngineCore.start_timings`` (docs/coldstart.md)."""
     from kvserve.parallel.auto import pick_tensor_parallel
 
+    timings = PhaseTimer()
     tp_asked = config.tensor_parallel_size not in (1, "1")
-    checkpoint = checkpoint or load_checkpoint(config.model, () if tp_asked else direct_types(config.quantization))
+    if checkpoint is None:
+        with timings.phase("checkpoint_s"):
+            checkpoint = _read_checkpoint(config, () if tp_asked else direct_types(config.quantization))
     mc = checkpoint.config
     resolved = resolve(config, mc, torch.cuda.is_available(), pick_cpu_dtype=pick_cpu_dtype,
                        pick_tensor_parallel=pick_tensor_parallel)
@@ -114,18 +119,52 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     if resolved.num_threads:
         torch.set_num_threads(resolved.num_threads)
     device = torch.device(resolved.device)
-    bandwidth = measure_copy_bandwidth(device)     # once, for both models' bs=1 bound
+    with timings.phase("bandwidth_s"):
+        bandwidth = measure_copy_bandwidth(device)     # once, for both models' bs=1 bound
     if resolved.tensor_parallel_size > 1:
         launch = TensorParallelLaunch(config.model, resolved, bandwidth)
     try:
-        return _build_parts(config, resolved, checkpoint, spec, bandwidth, launch)
+        engine = _build_parts(config, resolved, checkpoint, spec, bandwidth, launch, timings)
     except BaseException:
         if launch is not None:
             launch.abort()
         raise
+    if resolved.warmup:
+        with timings.phase("warmup_s"):
+            engine.warm_up()
+    engine.start_timings = dict(timings.seconds)
+    logger.info("start-up phases (s): %s", ", ".join(f"{k} {v:.3f}" for k, v in timings.seconds.items()))
+    return engine
 
 
-def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: float, launch) -> EngineCore:
+class PhaseTimer:
+    """Seconds per named start-up phase (``with timer.phase(name): ...``)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - started
+
+
+def _read_checkpoint(config: EngineConfig, kept_quantized: tuple[str, ...]):
+    """The checkpoint from its file, or from the host-memory weight cache when one is set."""
+    from kvserve.loader import load_checkpoint
+    if config.weight_cache_dir is None:
+        return load_checkpoint(config.model, kept_quantized)
+    from kvserve.coldstart.weight_cache import HostWeightCache, load_cached_checkpoint
+    checkpoint, hit = load_cached_checkpoint(config.model, kept_quantized, HostWeightCache(config.weight_cache_dir))
+    logger.info("host weight cache %s: %s", config.weight_cache_dir, "hit" if hit else "miss (stored)")
+    return checkpoint
+
+
+def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: float, launch,
+                 timings: PhaseTimer) -> EngineCore:
     """The engine's parts, built and injected (``launch``: the tensor-parallel ranks, or None)."""
     from kvserve.loader import load_checkpoint
     from kvserve.sampling.sampler import Sampler
@@ -137,8 +176,9 @@ def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: fl
     mc = checkpoint.config
     entry = proposer_entry(spec.method) if spec else None
     device, dtype = torch.device(resolved.device), torch_dtype(resolved.dtype)
-    model = load_model(checkpoint, device, dtype, resolved.quantization, bandwidth,
-                       transform=launch.shard if launch else None)
+    with timings.phase("weights_s"):
+        model = load_model(checkpoint, device, dtype, resolved.quantization, bandwidth,
+                           transform=launch.shard if launch else None)
     rank_config = model.rank_config if launch else mc      # the heads this process's KV cache holds
     draft_path = entry.draft_model_path(spec) if entry else None
     draft = (load_model(load_checkpoint(draft_path, direct_types(resolved.quantization)), device, dtype,
@@ -151,7 +191,8 @@ def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: fl
         device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
     if launch is not None:          # the replica's budget, split over its ranks
         budget //= resolved.tensor_parallel_size
-    kv_plan, kv_cache = build_kv_cache(resolved, rank_config, draft, budget, device, dtype)
+    with timings.phase("kv_cache_s"):
+        kv_plan, kv_cache = build_kv_cache(resolved, rank_config, draft, budget, device, dtype)
     if launch is not None:
         launch.share_kv_plan(kv_plan)
     pool = BlockPool(kv_plan.num_blocks, resolved.block_size)

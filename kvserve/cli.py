@@ -22,6 +22,8 @@ def build_parser() -> argparse.ArgumentParser:
         register_planner(sub)
     from kvserve.cluster.cli import register as register_cluster
     register_cluster(sub)
+    from kvserve.coldstart.cli import register as register_coldstart
+    register_coldstart(sub)
     return parser
 
 

@@ -66,6 +66,10 @@ class EngineConfig:
     # Tensor parallelism (kvserve.parallel): ranks of this replica, or "auto" (the smallest
     # that fits, by the planner's memory functions; 1 on CPU).
     tensor_parallel_size: int | str = 1
+    # Cold start (docs/coldstart.md): run one warm-up pass at start instead of on the first
+    # request; read unpacked weights from a host-memory cache folder (None: off).
+    warmup: bool = False
+    weight_cache_dir: str | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +95,8 @@ class ResolvedConfig:
     fair_share: FairShareSettings | None = None   # None: fair sharing off
     tensor_parallel_size: int = 1         # ranks of this replica (kvserve.parallel)
     tensor_parallel_reason: str = ""      # why (logged at start)
+    warmup: bool = False                  # one warm-up pass at start
+    weight_cache_dir: str | None = None   # host-memory weight cache folder (None: off)
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
     tp, tp_reason = resolve_tensor_parallel(config, model, device, dtype, kv_dtype, max_model_len,
                                             pick_tensor_parallel)
     return ResolvedConfig(lora=resolve_lora(config), tensor_parallel_size=tp, tensor_parallel_reason=tp_reason,
+        warmup=bool(config.warmup), weight_cache_dir=config.weight_cache_dir,
         device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=config.kv_cache_bytes,
         block_size=config.block_size, num_threads=config.num_threads,
         attention_backend=config.attention_backend, seed=config.seed,

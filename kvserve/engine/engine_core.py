@@ -51,6 +51,7 @@ class EngineCore:
         self.scheduler = scheduler
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
+        self.start_timings: dict[str, float] = {}    # start-up phase -> seconds (set by the builder)
         self.speculator = speculator or NullSpeculator()
         self.adapters = adapters             # LoRA adapters (None: base weights only)
         self.step_time = step_time or LinearTimeModel()   # measured steps (shared with the policy)
@@ -156,6 +157,10 @@ class EngineCore:
             self.step_time.observe(plan.num_tokens, result.forward_time_s)
             self.speculator.observe(plan, result, updates)
         return updates
+
+    def warm_up(self) -> float:
+        """One warm-up pass (``ModelRunner.warm_up``) before any request; returns its seconds."""
+        return self.runner.warm_up()
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel runner's worker ranks)."""

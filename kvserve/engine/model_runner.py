@@ -19,7 +19,7 @@ from kvserve.engine.batch_context import BatchContext, PlainBatch
 from kvserve.engine.constraint import ConstraintMasks, NullConstraints
 from kvserve.engine.decode_groups import decode_groups
 from kvserve.engine.lookahead import LookaheadGroup, Verifier
-from kvserve.engine.step import SampledToken, ScheduledSeq, StepPlan, StepResult
+from kvserve.engine.step import ForwardWork, SampledToken, ScheduledSeq, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
 
 
@@ -104,6 +104,22 @@ class ModelRunner:
         """fp32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden]`` (the one
         place the runner projects onto the vocabulary)."""
         return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def warm_up(self, prompt_tokens: int = 16) -> float:
+        """One prefill of ``prompt_tokens`` tokens and one single-token decode through the
+        model and the vocabulary head, on KV blocks from 0 (free at start: whatever they
+        hold is overwritten before any request reads it), so the first request does not
+        pay the kernels' first-use costs. Returns the seconds it took."""
+        started = time.perf_counter()
+        prompt_tokens = max(1, min(prompt_tokens, self.kv_cache.shape[2] * self.block_size - 1))
+        blocks = list(range(-(-(prompt_tokens + 1) // self.block_size)))
+        prefill = ForwardWork(list(range(1, prompt_tokens + 1)), 0, blocks, True)
+        decode = ForwardWork([1], prompt_tokens, blocks, True)
+        for work in (prefill, decode):
+            hidden, rows = self._forward([work])
+            self.logits(hidden[rows])
+        return time.perf_counter() - started
 
     def close(self) -> None:
         """Release what the runner started (nothing here; ranks of a parallel runner)."""

@@ -53,6 +53,30 @@ class ScheduledSeq:
 
 
 @dataclass
+class ForwardWork:
+    """The part of a ``ScheduledSeq`` a forward pass needs to build its inputs (token ids,
+    positions, KV slots, sampled rows): what a tensor-parallel rank receives, and what a
+    warm-up pass is made of. No sampling state."""
+
+    token_ids: list[int]
+    start_position: int
+    block_table: list[int]
+    sample: bool
+    lookahead_token_ids: list[int] = field(default_factory=list)
+    adapter_key: str | None = None   # base weights (tensor-parallel ranks and warm-up run no LoRA)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @classmethod
+    def of(cls, seq: ScheduledSeq) -> "ForwardWork":
+        """The forward-only view of a scheduled sequence."""
+        return cls(seq.token_ids, seq.start_position, seq.block_table, seq.sample, seq.lookahead_token_ids,
+                   seq.adapter_key)
+
+
+@dataclass
 class StepPlan:
     """What the runner executes this step."""
 

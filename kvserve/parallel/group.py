@@ -2,7 +2,8 @@
 
 Each ``RankGroup`` builds its own process-group object over its own rendezvous store (a
 file: no listening socket), so an engine process may hold several in turn and nothing
-process-global is set (no ``init_process_group``). Gloo's sockets are bound to 127.0.0.1. Collectives record their wall time in ``comm_seconds`` so a
+process-global is set (no ``init_process_group``). Gloo's sockets are bound to 127.0.0.1.
+CPU ranks all-reduce and all-gather small tensors through shared memory (``shm.py``). Collectives record their wall time in ``comm_seconds`` so a
 benchmark can state the all-reduce share of a step.
 """
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 
 import torch
 import torch.distributed as dist
+
+from kvserve.parallel.shm import ShmCollectives
 
 LOOPBACK = "127.0.0.1"
 
@@ -51,7 +54,7 @@ class RankGroup:
     """Collectives among the ``world_size`` ranks of one replica; ``rank`` 0 leads."""
 
     def __init__(self, store, rank: int, world_size: int, device_type: str = "cpu",
-                 timeout_s: float = 24 * 3600.0):
+                 timeout_s: float = 24 * 3600.0, shm_slot_bytes: int = 16 * 2**20):
         self.rank, self.world_size, self.device_type = rank, world_size, device_type
         self.store = store
         # a worker waits for rank 0's next command for as long as the engine idles; commands
@@ -61,6 +64,29 @@ class RankGroup:
                          _process_group(dist.PrefixStore("control/", store), rank, world_size, "cpu", timeout_s))
         self.comm_seconds = 0.0           # wall time inside collectives, since creation
         self.comm_calls = 0
+        self._shm = self._map_shared_memory(shm_slot_bytes) if device_type == "cpu" and shm_slot_bytes else None
+
+    def _map_shared_memory(self, slot_bytes: int) -> ShmCollectives | None:
+        """CPU ranks (one host): rank 0 creates the shared mapping, every rank maps it, then
+        rank 0 removes its name (the mapping stays until the last rank leaves)."""
+        if self.world_size == 1:
+            return None
+        if self.rank == 0:
+            path = ShmCollectives.new_path()
+            shm = ShmCollectives(path, 0, self.world_size, slot_bytes, create=True)
+            self.store.set("shm_path", path)
+        else:
+            path = self.store.get("shm_path").decode()
+            shm = ShmCollectives(path, self.rank, self.world_size, slot_bytes, create=False)
+        self._pg.allreduce([torch.zeros(1)]).wait()          # every rank has mapped it
+        if self.rank == 0:
+            os.unlink(path)
+        return shm
+
+    @property
+    def uses_shared_memory(self) -> bool:
+        """Whether small CPU collectives go through shared memory (else the process group)."""
+        return self._shm is not None
 
     def _timed(self, work) -> None:
         started = time.perf_counter()
@@ -68,10 +94,20 @@ class RankGroup:
         self.comm_seconds += time.perf_counter() - started
         self.comm_calls += 1
 
+    def _timed_call(self, collective, *args):
+        started = time.perf_counter()
+        result = collective(*args)
+        self.comm_seconds += time.perf_counter() - started
+        self.comm_calls += 1
+        return result
+
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks, in place; returns it."""
         if self.world_size > 1:
-            self._timed(self._pg.allreduce([tensor]))
+            if self._shm is not None and self._shm.fits(tensor):
+                self._timed_call(self._shm.all_reduce_, tensor)
+            else:
+                self._timed(self._pg.allreduce([tensor]))
         return tensor
 
     def all_gather(self, tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
@@ -79,6 +115,8 @@ class RankGroup:
         if self.world_size == 1:
             return tensor
         tensor = tensor.contiguous()
+        if self._shm is not None and self._shm.fits(tensor):
+            return self._timed_call(self._shm.all_gather, tensor, dim)
         parts = [torch.empty_like(tensor) for _ in range(self.world_size)]
         self._timed(self._pg.allgather([parts], [tensor]))
         return torch.cat(parts, dim=dim)

@@ -2,10 +2,10 @@
 rank 0 (the engine process) sends them.
 
 Rank 0 owns the scheduler; every step it broadcasts what the runner needs to build the
-same tensors (``RankWork``: token ids, positions, block tables — not the requests'
+same tensors (``ForwardWork``: token ids, positions, block tables — not the requests'
 sampling state), then every rank runs the same forward. Commands::
 
-    ("forward", [RankWork])    build inputs, run the forward (hidden states stay on rank 0's side)
+    ("forward", [ForwardWork]) build inputs, run the forward (hidden states stay on rank 0's side)
     ("logits", hidden rows)    project rank-0's hidden rows on each rank's vocabulary rows
     ("copy", [(src, dst)])     copy KV blocks (copy-on-write at a fork)
     ("stop", None)             leave the loop
@@ -24,29 +24,9 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 logger = logging.getLogger("kvserve.parallel")
-
-
-@dataclass
-class RankWork:
-    """The part of a ``ScheduledSeq`` every rank needs to build its inputs."""
-
-    token_ids: list[int]
-    start_position: int
-    block_table: list[int]
-    sample: bool
-    lookahead_token_ids: list[int] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.token_ids)
-
-    @classmethod
-    def of(cls, seq) -> "RankWork":
-        """The rank-side view of a scheduled sequence."""
-        return cls(seq.token_ids, seq.start_position, seq.block_table, seq.sample, seq.lookahead_token_ids)
 
 
 @dataclass(frozen=True)

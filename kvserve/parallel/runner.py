@@ -1,5 +1,5 @@
 """The runner of a tensor-parallel replica: rank 0's ``ModelRunner`` that drives the
-other ranks. It sends each forward's ``RankWork``, each vocabulary projection's hidden
+other ranks. It sends each forward's ``ForwardWork``, each vocabulary projection's hidden
 rows and each KV block copy to the workers before doing the same on its own shard, so
 the collectives inside the model pair up. Sampling, grammar masks and verification run
 on rank 0 alone, on the gathered logits; the scheduler never knows there are ranks.
@@ -12,7 +12,7 @@ import subprocess
 import torch
 
 from kvserve.engine.model_runner import ModelRunner
-from kvserve.parallel.ranks import RankWork
+from kvserve.engine.step import ForwardWork
 
 logger = logging.getLogger("kvserve.parallel")
 
@@ -27,7 +27,7 @@ class TensorParallelRunner(ModelRunner):
         self._closed = False
 
     def _forward(self, items):
-        self.group.broadcast_object(("forward", [RankWork.of(s) for s in items]))
+        self.group.broadcast_object(("forward", [ForwardWork.of(s) for s in items]))
         return super()._forward(items)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

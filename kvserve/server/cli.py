@@ -39,6 +39,11 @@ def register(subparsers) -> None:
     eng.add_argument("--tensor-parallel-size", type=parse_tensor_parallel_size, default=1, metavar="N|auto",
                      help="ranks of the model (processes on CPU, GPUs on CUDA); --threads is per rank; "
                           "auto: the smallest that fits (docs/parallelism.md)")
+    eng.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                     help="one warm-up pass at start, not on the first request (docs/coldstart.md)")
+    eng.add_argument("--weight-cache", default=None, metavar="DIR",
+                     help="read unpacked weights from (and store them in) a host-memory folder, e.g. "
+                          "/dev/shm/kvserve-weights: a restart skips reading and unpacking the checkpoint")
     eng.add_argument("--engine-cpus", default=None, help="pin the engine process to these CPUs, e.g. 0 or 0-1")
     eng.add_argument("--http-cpus", default=None, help="pin the HTTP process to these CPUs")
     eng.add_argument("--device", default="auto")
@@ -140,6 +145,7 @@ def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] 
             "max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
             "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+            "warmup": getattr(args, "warmup", False), "weight_cache_dir": getattr(args, "weight_cache", None),
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
             "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus),
             **scheduling_config(args), **lora_config(args, base_aliases)}

@@ -1,5 +1,6 @@
 """Tier 2: a two-rank ``RankGroup`` over gloo (rank 1 a spawned process): each collective's
-result on both ranks, and every listener of both processes on 127.0.0.1."""
+result on both ranks (small all-reduce / all-gather through shared memory, a tensor larger than
+a slot through gloo), and every listener of both processes on 127.0.0.1."""
 from __future__ import annotations
 
 import pytest
@@ -25,6 +26,7 @@ def test_two_rank_collectives_on_loopback():
         # rank 0 sends 2 rows to itself and 1 to rank 1; receives 2 of its own and 1 from rank 1
         exchanged = group.all_to_all(torch.tensor([[0.0], [1.0], [2.0]]), send_rows=[2, 1], recv_rows=[2, 1])
         group.broadcast_object({"step": 7, "rows": [1, 2, 3]})
+        big = group.all_reduce_(torch.full((5 * 2**20,), 1.0))
         mine = loopback_listeners()
         theirs = results.get(timeout=60)
     finally:
@@ -34,6 +36,8 @@ def test_two_rank_collectives_on_loopback():
     assert exchanged.tolist() == [[0.0], [1.0], [10.0]]
     assert theirs["exchanged"] == [[2.0], [11.0], [12.0]]
     assert theirs["received"] == {"step": 7, "rows": [1, 2, 3]}
-    assert group.comm_calls == 3 and group.comm_seconds > 0
+    assert group.uses_shared_memory and theirs["shm"]             # small CPU collectives: shared memory
+    assert float(big[0]) == 3.0 and theirs["big"] == 3.0 and float(big[-1]) == 3.0
+    assert group.comm_calls == 4 and group.comm_seconds > 0
     assert mine and set(mine) == {"127.0.0.1"}, mine
     assert set(theirs["listeners"]) <= {"127.0.0.1"}, theirs["listeners"]

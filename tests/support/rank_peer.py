@@ -18,5 +18,6 @@ def peer(path: str, results) -> None:
     gathered = group.all_gather(torch.tensor([[3.0]]), dim=-1)
     exchanged = group.all_to_all(torch.tensor([[10.0], [11.0], [12.0]]), send_rows=[1, 2], recv_rows=[1, 2])
     received = group.broadcast_object()
-    results.put({"reduced": reduced.tolist(), "gathered": gathered.tolist(), "exchanged": exchanged.tolist(),
+    big = group.all_reduce_(torch.full((5 * 2**20,), 2.0))          # 20 MiB: over a slot, through gloo
+    results.put({"big": float(big[0]), "shm": group.uses_shared_memory, "reduced": reduced.tolist(), "gathered": gathered.tolist(), "exchanged": exchanged.tolist(),
                  "received": received, "listeners": loopback_listeners()})

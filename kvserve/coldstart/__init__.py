@@ -1,0 +1,1 @@
+"""Cold start, measured in layers (runtime, weights, warm-up), and what shortens each."""

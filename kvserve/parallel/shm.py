@@ -1,0 +1,89 @@
+"""Collectives through shared memory for CPU ranks on one host.
+
+Gloo moves a tensor between two processes on one host over TCP loopback: ~0.1-0.9 ms for the
+``[T, hidden]`` all-reduce a decode step runs twice per layer (measured on this machine's
+2 cores), which is a third of a tensor-parallel decode step. Here every rank owns two slots
+(even and odd calls) in one shared mapping of a file in ``/dev/shm`` and one counter:
+
+    call g: copy my tensor into my slot (g mod 2); counter[me] = g;
+            wait until every counter >= g; result = slot[0] + slot[1] + ... (rank order)
+
+Every rank sums the same slots in the same order, so the result is bitwise the same on all
+ranks (as the residual stream requires). A slot of call ``g`` is written again at call
+``g + 2``, which no rank reaches before every rank has passed call ``g + 1``'s wait — that is,
+has finished reading call ``g``'s slots — so two slots per rank suffice. x86's stores are seen
+in program order (the data before its counter).
+
+A rank that never arrives (its process died) makes the wait raise after ``timeout_s``.
+Larger tensors than a slot fall back to the process group's own collective.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+
+import torch
+
+COUNTER_BYTES = 64          # one cache line per rank's counter
+
+
+class ShmCollectives:
+    """All-reduce and all-gather of float tensors through one shared ``/dev/shm`` mapping."""
+
+    def __init__(self, path: str, rank: int, world_size: int, slot_bytes: int, create: bool,
+                 timeout_s: float = 120.0):
+        self.rank, self.world_size, self.slot_bytes, self.timeout_s = rank, world_size, slot_bytes, timeout_s
+        total = world_size * (COUNTER_BYTES + 2 * slot_bytes)
+        if create:
+            with open(path, "wb") as f:
+                f.truncate(total)
+        self._memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
+        self._counters = self._memory[:world_size * COUNTER_BYTES].view(torch.int64).view(world_size, -1)[:, 0]
+        self._slots = self._memory[world_size * COUNTER_BYTES:].view(world_size, 2, slot_bytes)
+        self._call = 0
+
+    @staticmethod
+    def new_path() -> str:
+        """A fresh file name for the mapping (in ``/dev/shm`` when there is one)."""
+        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        fd, path = tempfile.mkstemp(prefix="kvserve-ranks-shm-", dir=folder)
+        os.close(fd)
+        return path
+
+    def fits(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` goes through the slots (a CPU float tensor small enough)."""
+        return (tensor.device.type == "cpu" and tensor.is_floating_point()
+                and tensor.numel() * tensor.element_size() <= self.slot_bytes)
+
+    def _slot(self, rank: int, tensor: torch.Tensor) -> torch.Tensor:
+        nbytes = tensor.numel() * tensor.element_size()
+        return self._slots[rank, self._call & 1, :nbytes].view(tensor.dtype).view(tensor.shape)
+
+    def _publish_and_wait(self, tensor: torch.Tensor) -> None:
+        self._call += 1
+        self._slot(self.rank, tensor).copy_(tensor)
+        self._counters[self.rank] = self._call
+        deadline, spins = None, 0
+        while int(self._counters.min()) < self._call:
+            spins += 1
+            if spins % 256 == 0:
+                now = time.monotonic()
+                deadline = deadline or now + self.timeout_s
+                if now > deadline:
+                    raise RuntimeError(f"shared-memory collective: a rank did not arrive within {self.timeout_s} s")
+                os.sched_yield()
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks in place (rank order: the same bits everywhere)."""
+        self._publish_and_wait(tensor.contiguous())
+        tensor.copy_(self._slot(0, tensor))
+        for rank in range(1, self.world_size):
+            tensor.add_(self._slot(rank, tensor))
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The ranks' equally shaped ``tensor`` concatenated along ``dim`` in rank order."""
+        tensor = tensor.contiguous()
+        self._publish_and_wait(tensor)
+        return torch.cat([self._slot(rank, tensor) for rank in range(self.world_size)], dim=dim)
