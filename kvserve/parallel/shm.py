@@ -26,6 +26,7 @@ import time
 import torch
 
 COUNTER_BYTES = 64          # one cache line per rank's counter
+BUSY_SPINS = 32             # polls before each further poll yields the core
 
 
 class ShmCollectives:
@@ -67,12 +68,14 @@ class ShmCollectives:
         deadline, spins = None, 0
         while int(self._counters.min()) < self._call:
             spins += 1
-            if spins % 256 == 0:
+            if spins < BUSY_SPINS:
+                continue
+            os.sched_yield()           # more ranks than free cores: let the late one run
+            if spins % 1024 == 0:
                 now = time.monotonic()
                 deadline = deadline or now + self.timeout_s
                 if now > deadline:
                     raise RuntimeError(f"shared-memory collective: a rank did not arrive within {self.timeout_s} s")
-                os.sched_yield()
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (rank order: the same bits everywhere)."""
