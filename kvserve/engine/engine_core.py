@@ -21,8 +21,8 @@ from kvserve.engine.admission import EngineLimits, check_context, check_grace_s,
 from kvserve.engine.config import ResolvedConfig
 from kvserve.engine.constraint import NullConstraints
 from kvserve.engine.fair_share import tenant_served_tokens
-from kvserve.engine.kv.cache_events import CacheEvent
-from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.cache_events import CacheEvent, CacheNamespace, prompt_block_hashes
+from kvserve.engine.kv.manager import KVCacheManager, KVImportResult
 from kvserve.engine.kv.sizing import KVCachePlan
 from kvserve.engine.lookahead import NullSpeculator, Speculator
 from kvserve.engine.request import EngineRequest, RequestStatus
@@ -205,6 +205,72 @@ class EngineCore:
     def drain_cache_events(self) -> list[CacheEvent]:
         """Block stored / removed events since the last drain (for a cache-aware router)."""
         return self.kv.drain_events()
+
+    # ------------------------------------------ KV export / import (disaggregation)
+    def prompt_namespace(self, adapter_id: str | None, cache_salt: str | None) -> CacheNamespace | None:
+        """The prefix-cache namespace a request with this adapter name and salt uses now
+        (None: the prefix cache is off, so nothing can be exported or imported)."""
+        return self.kv.namespace_for(self.adapter_key(adapter_id), cache_salt, True)
+
+    def cached_prompt_blocks(self, token_ids: list[int], adapter_id: str | None = None,
+                             cache_salt: str | None = None) -> int:
+        """Leading full blocks of the prompt this engine's prefix cache holds now."""
+        namespace = self.prompt_namespace(adapter_id, cache_salt)
+        return self.kv.num_cached_prompt_blocks(namespace, token_ids) if namespace is not None else 0
+
+    def export_prompt_kv(self, token_ids: list[int], adapter_id: str | None, cache_salt: str | None,
+                         first_block: int):
+        """The cached KV of the prompt's full blocks from ``first_block`` on: ``(block_hashes,
+        kv)`` with ``kv [layers, 2, n, block_size, KVH, D]`` a copy (every layer's K and V),
+        n = cached full blocks - ``first_block`` (may be 0: ``kv`` None). Call between steps
+        (e.g. right after the step that finished the request that computed them)."""
+        from kvserve.engine.kv.tensors import read_kv_blocks
+        namespace = self.prompt_namespace(adapter_id, cache_salt)
+        if namespace is None:
+            return [], None
+        handle = self.kv.lock_prompt_prefix(namespace, token_ids)
+        try:
+            block_ids = list(handle.block_ids[first_block:])
+            if not block_ids:
+                return [], None
+            hashes = prompt_block_hashes(namespace, token_ids, self.kv.block_size)
+            return hashes[first_block:handle.num_blocks], read_kv_blocks(self._kv_tensor(), block_ids)
+        finally:
+            self.kv.unlock_prefix(handle)
+
+    def import_prompt_kv(self, token_ids: list[int], adapter_id: str | None, cache_salt: str | None,
+                         first_block: int, block_hashes: list[int], kv, grace_s: float = 0.0) -> KVImportResult:
+        """Put KV computed elsewhere into this engine's prefix cache: blocks ``[first_block,
+        first_block + len(block_hashes))`` of the prompt, ``kv`` as ``export_prompt_kv``
+        returns it. Blocks already cached are skipped; hashes that disagree with this
+        engine's namespace (another weight epoch, adapter or salt) refuse all. The blocks
+        end cached-only, protected ``grace_s`` seconds; nothing else is held after."""
+        offered = len(block_hashes)
+        namespace = self.prompt_namespace(adapter_id, cache_salt)
+        mine = prompt_block_hashes(namespace, token_ids, self.kv.block_size) if namespace else []
+        if not offered or mine[first_block:first_block + offered] != list(block_hashes):
+            return KVImportResult(offered, 0, 0, offered)
+        present = max(0, min(self.kv.num_cached_prompt_blocks(namespace, token_ids), first_block + offered)
+                      - first_block)
+        pending = self.kv.begin_import(namespace, token_ids, first_block, offered)
+        if pending is None:
+            return KVImportResult(offered, 0, present, offered - present)
+        from kvserve.engine.kv.tensors import write_kv_blocks
+        skip = pending.num_present - first_block
+        try:
+            write_kv_blocks(self._kv_tensor(), pending.block_ids, kv[:, :, skip:skip + len(pending.block_ids)])
+        except BaseException:
+            self.kv.cancel_import(pending)
+            raise
+        self.kv.finish_import(pending, grace_s)
+        imported = len(pending.block_ids)
+        return KVImportResult(offered, imported, skip, offered - skip - imported)
+
+    def _kv_tensor(self):
+        kv_cache = getattr(self.runner, "kv_cache", None)
+        if kv_cache is None or self.config.tensor_parallel_size > 1:      # rank 0 holds only its heads
+            raise NotImplementedError(f"{type(self.runner).__name__} has no single KV tensor to move blocks of")
+        return kv_cache
 
     # ----------------------------------------------------------------- status
     def check_integrity(self) -> None:

@@ -10,6 +10,8 @@ sent as it is), AbortRequests, StopSequences, ResetPrefixCache, LoadAdapter, Unl
 Shutdown. Engine -> HTTP: EngineReady or EngineFailed (once), StepOutputs, RequestError,
 EngineStatsUpdate, and the answers to the control messages, in the order those were sent:
 PrefixCacheReset (to ResetPrefixCache), AdapterResult (to LoadAdapter / UnloadAdapter).
+The messages that move prompt KV between a prefill and a decode engine (kvserve/disagg/)
+are in ``kv_messages.py`` and registered here too.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ from kvserve.engine.service_class import ServiceClass
 from kvserve.engine.structured_spec import StructuredSpec
 from kvserve.engine.stats import EngineStats
 from kvserve.engine.step import SampledToken, SeqUpdate
+from kvserve.ipc.kv_messages import KV_MESSAGES
 from kvserve.sampling.params import SamplingParams
 
 FRAME_HEADER = struct.Struct(">I")
@@ -56,6 +59,7 @@ class EngineReady:
     kv_explanation: str
     pid: int
     adapters: list[dict] = field(default_factory=list)    # EngineCore.list_adapters() at start
+    kv_layout: dict = field(default_factory=dict)          # KV block shape (engine_proc.kv_layout); {} if none
 
 
 @dataclass
@@ -170,7 +174,7 @@ class RequestError:
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     InitEngine, EngineReady, EngineRequest, AbortRequests, StopSequences, Shutdown, EngineStatsUpdate,
     StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset, EngineFailed, LoadAdapter, UnloadAdapter,
-    AdapterResult, CacheBlocks)}
+    AdapterResult, CacheBlocks, *KV_MESSAGES)}
 
 
 # --------------------------------------------------------------- conversion

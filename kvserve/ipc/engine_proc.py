@@ -210,11 +210,28 @@ def build_engine(engine_config: dict):
     return build(EngineConfig(**{**engine_config, "model": resolve_model_path(engine_config.get("model"))}))
 
 
-def serve(sock: socket.socket) -> int:
+def kv_layout(engine) -> dict:
+    """The shape of one KV block in every layer (layers, block_size, kv heads, head dim,
+    dtype), what a KV transfer between engines must agree on; {} when the runner has no
+    single KV tensor (tensor parallel) or it is not a plain float tensor."""
+    import torch
+    kv_cache = getattr(engine.runner, "kv_cache", None)
+    if not isinstance(kv_cache, torch.Tensor) or engine.config.tensor_parallel_size > 1:
+        return {}
+    layers, _two, _blocks, block_size, kv_heads, head_dim = kv_cache.shape
+    return {"num_layers": layers, "block_size": block_size, "num_kv_heads": kv_heads, "head_dim": head_dim,
+            "dtype": str(kv_cache.dtype).replace("torch.", "")}
+
+
+def serve(sock: socket.socket, make_loop=EngineLoop, extra_keys: tuple[str, ...] = ()) -> int:
     """Load the engine named by the first message, report it (EngineReady, or EngineFailed
-    and exit code 2 for a configuration the engine refuses), then run the loop."""
+    and exit code 2 for a configuration the engine refuses), then run the loop.
+    ``make_loop(engine, sock, **extras)`` builds the loop (an ``EngineLoop`` subclass, e.g.
+    kvserve/disagg/worker.py's); ``extra_keys`` are InitEngine entries that are not
+    EngineConfig fields, taken out and passed to it as ``extras``."""
     from kvserve.errors import KVServeError
     init = _read_init(sock)
+    extras = {key: init.engine_config.pop(key) for key in extra_keys if key in init.engine_config}
     cpus = init.engine_config.pop("cpus", None)
     if cpus:
         os.sched_setaffinity(0, set(cpus))
@@ -224,12 +241,13 @@ def serve(sock: socket.socket) -> int:
         logger.error("the engine cannot start: %s", err.message)
         sock.sendall(codec.encode(codec.EngineFailed(err.http_status, err.to_dict())))
         return 2
-    loop = EngineLoop(engine, sock)
+    loop = make_loop(engine, sock, **extras)
     loop.send(codec.EngineReady(
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
         num_blocks=engine.kv.num_blocks, block_size=engine.config.block_size,
         kv_max_tokens=engine.kv_plan.max_tokens, eos_token_ids=sorted(engine.model_config.eos_token_ids),
-        kv_explanation=engine.kv_plan.explanation, pid=os.getpid(), adapters=engine.list_adapters()))
+        kv_explanation=engine.kv_plan.explanation, pid=os.getpid(), adapters=engine.list_adapters(),
+        kv_layout=kv_layout(engine)))
     try:
         loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

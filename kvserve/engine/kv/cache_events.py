@@ -64,3 +64,14 @@ class BlockRemoved:
 
 
 CacheEvent = BlockStored | BlockRemoved
+
+
+def prompt_block_hashes(namespace: CacheNamespace, token_ids: list[int], block_size: int) -> list[int]:
+    """The chained hashes of a prompt's full blocks (the last token never included, as the
+    prefix cache matches), equal to those the cache gives the same blocks: what two
+    engines compare to agree on which KV blocks they mean."""
+    hashes, previous = [], namespace_seed(namespace)
+    for start in range(0, (len(token_ids) - 1) // block_size * block_size, block_size):
+        previous = block_hash(previous, list(token_ids[start:start + block_size]))
+        hashes.append(previous)
+    return hashes

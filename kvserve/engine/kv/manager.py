@@ -45,6 +45,35 @@ class PrefixHit:
 NO_HIT = PrefixHit(None, 0)
 
 
+@dataclass
+class PendingImport:
+    """Blocks taken to receive KV from another engine (prefill/decode disaggregation).
+
+    ``handle`` locks the prefix the importer already caches (``num_present`` blocks);
+    ``block_ids`` (one reference each, held by the import) receive blocks
+    ``[num_present, num_present + len(block_ids))`` of the prompt. The caller writes
+    their KV, then ``finish_import`` puts them in the cache or ``cancel_import`` frees
+    them; either releases every reference and lock the import took."""
+
+    namespace: CacheNamespace
+    token_ids: list[int]
+    handle: PrefixHandle
+    num_present: int
+    block_ids: list[int]
+
+
+@dataclass(frozen=True)
+class KVImportResult:
+    """What an import of ``num_offered`` blocks did: ``num_imported`` written and cached,
+    ``num_present`` already cached here (skipped), ``num_dropped`` refused (no room, a gap
+    before them, or hashes that disagree with this engine's namespace)."""
+
+    num_offered: int
+    num_imported: int
+    num_present: int
+    num_dropped: int
+
+
 class KVCacheManager:
     """Blocks for sequences: allocation, prefix reuse, forks, eviction, integrity."""
 
@@ -209,6 +238,68 @@ class KVCacheManager:
         if seq.block_table:
             self.block_pool.free(seq.block_table)
             seq.block_table = []
+
+    # ------------------------------------------------ import / export (disagg)
+    def lock_prompt_prefix(self, namespace: CacheNamespace, token_ids: list[int]) -> PrefixHandle:
+        """Lock the cached full blocks of a prompt (never its last token, as ``match``),
+        e.g. to read their KV out; the caller must ``unlock_prefix`` it."""
+        handle = self.prefix_cache.match(namespace, list(token_ids), max_tokens=len(token_ids) - 1)
+        self.prefix_cache.lock(handle)
+        return handle
+
+    def unlock_prefix(self, handle: PrefixHandle, grace_s: float = 0.0) -> None:
+        """Release a lock from ``lock_prompt_prefix`` (protected ``grace_s`` seconds more)."""
+        self.prefix_cache.unlock(handle, grace_s)
+
+    def num_cached_prompt_blocks(self, namespace: CacheNamespace, token_ids: list[int]) -> int:
+        """Leading full blocks of a prompt this cache holds (no lock is left behind)."""
+        handle = self.lock_prompt_prefix(namespace, token_ids)
+        self.unlock_prefix(handle)
+        return handle.num_blocks
+
+    def begin_import(self, namespace: CacheNamespace, token_ids: list[int], first_block: int,
+                     num_blocks: int) -> PendingImport | None:
+        """Take blocks to receive blocks ``[first_block, first_block + num_blocks)`` of the
+        prompt ``token_ids`` (whole blocks, the last token never included). Blocks this
+        cache already holds are not taken (``num_present`` may exceed ``first_block``);
+        if the cache lacks blocks before ``first_block`` (a gap) or nothing is left to
+        import, returns None and holds nothing. Evicts unlocked cached blocks (LRU) to
+        make room and takes as many as it can (a prefix of the range)."""
+        if self.prefix_cache is None:
+            return None
+        bs = self.block_size
+        num_full = min((len(token_ids) - 1) // bs, first_block + num_blocks)
+        handle = self.lock_prompt_prefix(namespace, token_ids)
+        present = handle.num_blocks
+        wanted = num_full - present
+        if present < first_block or wanted <= 0:
+            self.unlock_prefix(handle)
+            return None
+        self.make_free(wanted)
+        block_ids = self.block_pool.allocate(min(wanted, self.block_pool.num_free_blocks)) or []
+        if not block_ids:
+            self.unlock_prefix(handle)
+            return None
+        return PendingImport(namespace, list(token_ids[:(present + len(block_ids)) * bs]), handle, present,
+                             block_ids)
+
+    def finish_import(self, pending: PendingImport, grace_s: float = 0.0) -> PrefixHandle:
+        """Insert the written blocks into the cache (they become cached-only, protected
+        ``grace_s`` seconds so the request they were moved for finds them); returns the
+        handle of the longer prefix, unlocked."""
+        bs, cache = self.block_size, self.prefix_cache
+        start = pending.num_present * bs
+        new = cache.insert(pending.handle, pending.token_ids[start:], pending.block_ids)
+        cache.lock(new)
+        cache.unlock(pending.handle)
+        self.block_pool.free(pending.block_ids)
+        cache.unlock(new, grace_s)
+        return new
+
+    def cancel_import(self, pending: PendingImport) -> None:
+        """Give back an import's blocks and lock without caching anything."""
+        self.block_pool.free(pending.block_ids)
+        self.prefix_cache.unlock(pending.handle)
 
     # ------------------------------------------------------------ cache admin
     def reset_prefix_cache(self) -> int:

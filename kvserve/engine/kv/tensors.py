@@ -82,3 +82,28 @@ def allocate_kv_cache(config: ModelConfig, plan: KVCachePlan, kv_dtype: "str | t
         compute_dtype = FLOAT_KV_DTYPES[name]
     return allocate_kv_tensors(config.num_layers, plan.num_blocks, plan.block_size, config.num_kv_heads,
                                config.head_dim, name, compute_dtype, device)
+
+
+def read_kv_blocks(kv_cache, block_ids: list[int]) -> torch.Tensor:
+    """A copy of the KV of ``block_ids``: ``[layers, 2, len(block_ids), block_size, KVH, D]``
+    (every layer's K and V, in block order), for moving them to another engine. Plain
+    float caches only: an 8-bit cache would need its scales moved too."""
+    _check_plain(kv_cache)
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    return kv_cache.index_select(2, index)
+
+
+def write_kv_blocks(kv_cache, block_ids: list[int], blocks: torch.Tensor) -> None:
+    """Write ``blocks`` (``[layers, 2, len(block_ids), block_size, KVH, D]``, as
+    :func:`read_kv_blocks` returns) into ``block_ids`` of ``kv_cache``."""
+    _check_plain(kv_cache)
+    expected = (*kv_cache.shape[:2], len(block_ids), *kv_cache.shape[3:])
+    if tuple(blocks.shape) != expected:
+        raise ValueError(f"KV blocks of shape {tuple(blocks.shape)} do not fit this cache ({expected})")
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    kv_cache.index_copy_(2, index, blocks.to(device=kv_cache.device, dtype=kv_cache.dtype))
+
+
+def _check_plain(kv_cache) -> None:
+    if isinstance(kv_cache, QuantizedKV):
+        raise NotImplementedError("moving blocks of an 8-bit KV cache (codes + scales) is not supported")
