@@ -11,10 +11,12 @@ import signal
 import sys
 import threading
 
-from kvserve.cluster.ray_runtime import LOOPBACK, start_local_ray, stop_local_ray  # first: pins Ray to loopback
+from kvserve.cluster.ray_runtime import LOOPBACK, gcs_address, logs_dir, start_local_ray, stop_local_ray  # first: pins Ray to loopback
 from kvserve.cluster.ingress import Ingress
 from kvserve.cluster.ladder import LadderSettings
 from kvserve.cluster.overflow import FallbackTarget
+from kvserve.cluster.autoscaling import AutoscaleSettings
+from kvserve.cluster.ray_autoscale import autoscaling_config
 from kvserve.cluster.replica import EngineReplica
 from ray import serve  # noqa: E402  (after ray_runtime)
 from ray.serve.config import RequestRouterConfig  # noqa: E402
@@ -31,25 +33,42 @@ def build_app(args: argparse.Namespace):
     model_path = resolve_model_path(args.model)
     tenants = load_tenants(args.tenants) if getattr(args, "tenants", None) else None
     keys, _admin = server_keys(args, tenants)
-    replica = _engine_deployment("engine", args.replicas, args.router, args)
+    scaling = autoscale_settings(args, model_path)
+    replica = _engine_deployment("engine", args.replicas, args.router, args, scaling)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},
                                max_ongoing_requests=10_000)
+    wait_s = getattr(args, "cold_start_wait_s", None) if scaling is not None else None
     target = fallback_target(args, model_path)
     if target is None:
-        return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, None))
+        return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, None), assign_wait_s=wait_s)
     # the fallback's router: least_loaded (the ingress tokenises with the fleet's tokenizer)
     fallback = _engine_deployment("fallback", args.fallback_replicas, "least_loaded", args)
     return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, target),
-                        fallback=fallback.bind(fallback_args(args)), overflow=target)
+                        fallback=fallback.bind(fallback_args(args)), overflow=target, assign_wait_s=wait_s)
 
 
-def _engine_deployment(name: str, replicas: int, policy: str, args: argparse.Namespace):
-    """An ``EngineReplica`` deployment routed by ``KVServeRequestRouter`` with ``policy``."""
+def autoscale_settings(args: argparse.Namespace, model_path: str) -> AutoscaleSettings | None:
+    """The fleet's autoscaling (None: ``--autoscale off``, a fixed ``--replicas``); logs the
+    capacity and where it came from."""
+    from kvserve.cluster.capacity_source import settings_from_args
+    settings = settings_from_args(args, model_path) if getattr(args, "autoscale", "off") != "off" else None
+    if settings is not None:
+        logger.info("autoscale %s, tier %s, replicas %d-%d; capacity per replica: prefill %.1f, decode %.1f "
+                    "tokens/s (%s)", settings.mode, settings.tier, settings.min_replicas, settings.max_replicas,
+                    settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
+    return settings
+
+
+def _engine_deployment(name: str, replicas: int, policy: str, args: argparse.Namespace,
+                       scaling: AutoscaleSettings | None = None):
+    """An ``EngineReplica`` deployment routed by ``KVServeRequestRouter`` with ``policy``:
+    ``replicas`` of them, or as many as ``KVServeAutoscalingPolicy`` decides with ``scaling``."""
     router = RequestRouterConfig(
         request_router_class="kvserve.cluster.ray_router:KVServeRequestRouter",
         request_router_kwargs={"policy": policy, "weights": getattr(args, "router_weights", None)},
         request_routing_stats_period_s=ROUTING_STATS_PERIOD_S, request_routing_stats_timeout_s=5.0)
-    return serve.deployment(EngineReplica, name=name, num_replicas=replicas,
+    count = {"num_replicas": replicas} if scaling is None else {"autoscaling_config": autoscaling_config(scaling)}
+    return serve.deployment(EngineReplica, name=name, **count,
                             ray_actor_options={"num_cpus": args.replica_cpus}, request_router_config=router,
                             max_ongoing_requests=max(64, 4 * args.max_num_seqs), health_check_period_s=2.0)
 
@@ -96,11 +115,12 @@ def run_cluster(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     node = start_local_ray(num_cpus=args.ray_cpus)
-    print(f"kvserve: Ray node address {node}", file=sys.stderr, flush=True)
+    print(f"kvserve: Ray node address {node}, GCS {gcs_address()}, logs {logs_dir()}", file=sys.stderr, flush=True)
     serve.start(http_options={"host": args.host, "port": args.port})
     serve.run(build_app(args), name="kvserve", route_prefix="/", blocking=False)
     fallback = f", {args.fallback_replicas} fallback ({args.fallback_model})" if args.fallback_model else ""
-    print(f"kvserve: {args.replicas} replicas ({args.router} routing){fallback} on http://{args.host}:{args.port}",
+    count = f"{args.replicas}" if getattr(args, "autoscale", "off") == "off" else f"autoscaled ({args.autoscale}, tier {args.tier})"
+    print(f"kvserve: {count} replicas ({args.router} routing){fallback} on http://{args.host}:{args.port}",
           file=sys.stderr, flush=True)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):

@@ -55,4 +55,36 @@ def register(subparsers) -> None:
     lad.add_argument("--fallback-replicas", type=int, default=1, help="replicas of the fallback model (default 1)")
     lad.add_argument("--fallback-kv-cache-gib", type=float, default=None,
                      help="each fallback replica's KV budget in GiB (default: --kv-cache-gib)")
+    _register_autoscale(p)
     p.set_defaults(func=run)
+
+
+def _register_autoscale(p) -> None:
+    """Autoscaling and residency options (docs/autoscaling.md); off by default: --replicas fixed."""
+    from kvserve.cluster.capacity_source import parse_capacity
+    a = p.add_argument_group("autoscaling (docs/autoscaling.md)")
+    a.add_argument("--autoscale", choices=("off", "tokens", "requests"), default="off",
+                   help="off: --replicas fixed (default); tokens: kvserve's token-based policy; requests: "
+                        "the request-count baseline (Ray's ongoing requests / --target-ongoing-requests)")
+    a.add_argument("--tier", choices=("hot", "warm", "cold"), default="hot",
+                   help="residency tier: hot keeps >= 1 replica; warm and cold may scale to zero (default hot)")
+    a.add_argument("--min-replicas", type=int, default=None, help="default: 1 for hot, 0 for warm and cold")
+    a.add_argument("--max-replicas", type=int, default=None, help="default: --replicas")
+    a.add_argument("--headroom-factor", type=float, default=1.25, help="tokens: spare capacity factor (default 1.25)")
+    a.add_argument("--demand-window-s", type=float, default=10.0,
+                   help="tokens: seconds of counters per demand measurement (default 10)")
+    a.add_argument("--downscale-window-s", type=float, default=300.0,
+                   help="seconds below target before one step down (default 300)")
+    a.add_argument("--target-ongoing-requests", type=float, default=2.0, help="requests: per replica (default 2)")
+    a.add_argument("--replica-capacity", type=parse_capacity, default=None, metavar="PREFILL:DECODE",
+                   help="tokens: one replica's tokens/s at the SLO (default: the planner on --capacity-gpu)")
+    a.add_argument("--capacity-gpu", default="local",
+                   help="tokens: hardware entry for the planner's capacity (default local: `kvserve profile`'s; "
+                        "without it a stated fallback)")
+    a.add_argument("--capacity-prompt-tokens", default="512", help="planner workload: prompt tokens (default 512)")
+    a.add_argument("--capacity-output-tokens", default="128", help="planner workload: output tokens (default 128)")
+    a.add_argument("--capacity-tpot-ms", type=float, default=100.0, help="planner SLO: TPOT ms (default 100)")
+    a.add_argument("--capacity-ttft-ms", type=float, default=2000.0, help="planner SLO: TTFT p99 ms (default 2000)")
+    a.add_argument("--cold-start-wait-s", type=float, default=120.0,
+                   help="with --autoscale: seconds a request may wait for a replica (e.g. while one starts "
+                        "from zero) before a 503 with Retry-After (default 120)")

@@ -31,6 +31,8 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvserve.cluster.assign_wait import NotRouted, first_item, not_routed_response
+from kvserve.cluster import serve_status
 from kvserve.cluster.breaker import ReplicaBreakers
 from kvserve.cluster.degrade import HEADER, DegradationController
 from kvserve.cluster.ladder import LadderSettings
@@ -59,10 +61,12 @@ class Pool:
 
 class Ingress:
     """Ray Serve deployment: ``replicas`` is the handle on the ``EngineReplica`` deployment;
-    ``fallback`` (with ``overflow``) the one on the fallback model's, if configured."""
+    ``fallback`` (with ``overflow``) the one on the fallback model's, if configured;
+    ``assign_wait_s`` bounds a request's wait for a fleet replica (``assign_wait.py``; None:
+    unbounded, the fixed-size fleet's behaviour)."""
 
     def __init__(self, replicas, model_path: str, keys: dict, ladder: LadderSettings | None = None,
-                 fallback=None, overflow: FallbackTarget | None = None):
+                 fallback=None, overflow: FallbackTarget | None = None, assign_wait_s: float | None = None):
         from kvserve.tokenizer import Tokenizer
         from kvserve.cluster.ray_runtime import pin_replica_grpc_to_loopback
         pin_replica_grpc_to_loopback()
@@ -70,6 +74,7 @@ class Ingress:
         self.fallback = Pool("fallback", fallback.options(stream=True), ReplicaBreakers()) \
             if fallback is not None and overflow is not None else None
         self.overflow = overflow if self.fallback is not None else None
+        self.assign_wait_s = assign_wait_s
         self.in_flight = InFlight()                 # generation requests on the fleet (overflow's measure)
         self.tokenizer = Tokenizer.load(model_path)
         self.keys = keys
@@ -83,6 +88,8 @@ class Ingress:
         self._start_probes()
         if path == "/metrics" and request.method == "GET":
             return await self._scrape(request.url.query, headers)
+        if path == serve_status.PATH and request.method == "GET":
+            return await self._status(request.headers.get("authorization", "").encode() or None)
         route = await asyncio.to_thread(route_for, path, body, request.headers.get("authorization", "").encode()
                                         or None, self.tokenizer, self.keys)
         service_class, model = route.pop("service_class"), route.pop("model")
@@ -119,6 +126,16 @@ class Ingress:
         return StreamingResponse(self._relay(pool, stream, is_sse, head.get("replica", ""), on_first, leave),
                                  status_code=head["status"], headers=head_headers, background=BackgroundTask(leave))
 
+    async def _status(self, authorization: bytes | None) -> Response:
+        """``GET /cluster/status``: Ray Serve's view of this application (``serve_status.py``);
+        with API keys configured, only for a caller with a valid key."""
+        from kvserve.server.auth import match_key
+        if self.keys and match_key(self.keys, authorization) is None:
+            return serve_status.unauthorized()
+        from ray import serve
+        app_name = serve.get_replica_context().app_name
+        return JSONResponse(await asyncio.to_thread(serve_status.application_status, app_name))
+
     def _pool_for(self, service_class, model) -> Pool:
         """The fallback for a request the ``overflow_chat`` rung sends there, else the fleet."""
         if self.fallback is not None and self.degradation is not None and overflows(
@@ -135,7 +152,11 @@ class Ingress:
             sent = {**route, "blocked": pool.breakers.blocked()}     # the router writes its decision here
             stream = pool.deployment.handle.remote(method, path, query, headers, body, route=sent)
             try:
-                head = await stream.__anext__()
+                head = await first_item(stream, sent, self.assign_wait_s if pool is self.fleet else None)
+            except NotRouted as exc:
+                logger.warning("%s: %s", pool.name, exc)
+                self.metrics.not_routed.inc()
+                return not_routed_response(exc, pool.name)
             except Exception as exc:     # the replica died or failed before its first byte
                 failed = self._observe_decision(pool, sent, generation) or \
                     getattr(getattr(exc, "cause", None), "replica_id", None)

@@ -109,6 +109,8 @@ class ClusterMetrics:
                                        CACHED_TOKEN_BUCKETS)
         self.retries = Counter("kvserve_ingress_retries_total",
                                "Requests retried on another replica after a failure before the first byte.")
+        self.not_routed = Counter("kvserve_ingress_not_routed_total",
+                                  "Requests answered 503 because no replica took them within --cold-start-wait-s.")
         self.failures = Counter("kvserve_replica_failures_total",
                                 "Replica failures the ingress saw, by replica and stage (before_first_byte, "
                                 "status_5xx, mid_stream, probe).")
@@ -129,7 +131,7 @@ class ClusterMetrics:
                               additive=False)
         self.overflowed = Counter("kvserve_degradation_overflowed_total",
                                   "Chat requests the overflow_chat rung sent to the fallback model.")
-        self.all = [self.decisions, self.cached_tokens, self.retries, self.failures, self.breaker_state,
+        self.all = [self.decisions, self.cached_tokens, self.retries, self.not_routed, self.failures, self.breaker_state,
                     self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed]
         self.additive = additive_families()
 

@@ -39,6 +39,16 @@ def start_local_ray(num_cpus: int | None = None) -> str:
     return address
 
 
+def gcs_address() -> str:
+    """The local Ray's GCS address (``host:port``), for a driver that joins it (the tests)."""
+    return ray.get_runtime_context().gcs_address
+
+
+def logs_dir() -> str:
+    """This Ray session's log folder (Serve's controller log is under ``serve/``)."""
+    return ray._private.worker.global_worker.node.get_logs_dir_path()
+
+
 def pin_replica_grpc_to_loopback() -> None:
     """In a Ray Serve replica process: bind its inter-deployment gRPC server on 127.0.0.1."""
     from ray.serve._private import replica as serve_replica

@@ -66,6 +66,12 @@ class EngineReplica:
                 "max_num_seqs": self.max_num_seqs, "block_size": info.block_size if info else 16,
                 "blocks": sorted(client.cached_blocks), "adapters": sorted(client.adapters), "time": time.time()}
 
+    def record_autoscaling_stats(self) -> dict:
+        """This replica's token counters and request gauges, as its ``/metrics`` shows them, for
+        ``KVServeAutoscalingPolicy`` (Ray Serve records them while autoscaling is on)."""
+        from kvserve.cluster.autoscaling import replica_autoscaling_stats
+        return replica_autoscaling_stats(self.server.ctx.metrics)
+
     def check_health(self) -> None:
         """Ray Serve restarts a replica whose engine died."""
         state = self.server.ctx.state

@@ -1,0 +1,89 @@
+"""The cluster tier, scale from zero (issue 19, test 2's first half): `kvserve cluster serve
+--autoscale tokens --tier cold` deploys the engine deployment with kvserve's custom autoscaling
+policy and no replica. Ray Serve's own status says 0 running replicas; the first request is
+queued at the ingress's handle (not refused), a replica starts, the request is answered, and
+the status says 1 (Ray Serve's ``serve.status()``, which the ingress answers at
+``GET /cluster/status`` without touching a replica). The controller's log shows the custom policy installed and deciding from
+the replica's own token counters (decode demand > 0 after the answer)."""
+from __future__ import annotations
+
+import glob
+import os
+import re
+import time
+
+import httpx
+import pytest
+
+from benchmarks.server_process import ServerProcess
+
+pytestmark = [pytest.mark.cluster, pytest.mark.model]
+
+MODEL = "SmolLM2-135M-Instruct"
+POLICY = "kvserve.cluster.ray_autoscale:KVServeAutoscalingPolicy"
+
+
+class ColdCluster(ServerProcess):
+    """Ready when ``kvserve cluster serve`` says it serves (``serve.run`` returned): polling
+    ``/ready`` through the ingress would itself be a request and wake the cold model."""
+
+    def wait_ready(self) -> None:
+        deadline = time.monotonic() + self.startup_timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited with {self.process.returncode}:\n{self.log_tail()}")
+            if "replicas (" in self.log_tail(100_000) and " on http://" in self.log_tail(100_000):
+                return
+            time.sleep(0.25)
+        raise TimeoutError(f"cluster not up after {self.startup_timeout_s} s:\n{self.log_tail()}")
+
+    def logs_dir(self) -> str:
+        return re.search(r"logs (\S+)", self.log_tail(100_000)).group(1)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with ColdCluster("--threads", "1", "--dtype", "float32", "--kv-cache-gib", "0.05", "--max-num-seqs", "2",
+                     "--no-ladder", "--autoscale", "tokens", "--tier", "cold", "--max-replicas", "1",
+                     "--demand-window-s", "2", "--cold-start-wait-s", "120",
+                     command=("cluster", "serve"), startup_timeout_s=180) as proc:
+        yield proc
+
+
+def _engine(cluster) -> dict:
+    r = httpx.get(cluster.url + "/cluster/status", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["deployments"]["engine"]
+
+
+def _controller_log(cluster) -> str:
+    return "".join(open(p, encoding="utf-8", errors="replace").read()
+                   for p in glob.glob(os.path.join(cluster.logs_dir(), "serve", "controller_*.log")))
+
+
+def test_a_cold_model_scales_from_zero_on_its_first_request(cluster):
+    assert _engine(cluster)["running"] == 0              # cold: no replica until a request comes
+    time.sleep(2)
+    engine = _engine(cluster)                            # and the policy does not start one by itself
+    assert engine["running"] == 0 and not engine["replicas"].get("STARTING"), engine
+    started = time.monotonic()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8,
+            "temperature": 0}
+    r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=150)
+    waited = time.monotonic() - started
+    assert r.status_code == 200, r.text                  # queued while the replica started, then answered
+    assert r.json()["choices"][0]["message"]["content"] and r.json()["usage"]["completion_tokens"] > 0
+    assert r.headers["x-kvserve-replica"] and waited > 1.0   # it did wait for a start
+    assert _engine(cluster)["running"] == 1
+
+    log = _controller_log(cluster)
+    assert f"Using custom autoscaling policy '{POLICY}'" in log
+    deadline, decode = time.monotonic() + 20, []
+    while time.monotonic() < deadline and not any(d > 0 for d in decode):
+        time.sleep(1)
+        log = _controller_log(cluster)
+        decode = [float(x.replace(",", "")) for x in re.findall(r"kvserve autoscale engine \(tokens, tier cold\): "
+                                                                  r"\d+ replicas: prefill [\d.,]+ / [\d.,]+ tokens/s "
+                                                                  r"= [\d.]+ \+ decode ([\d.,]+) /", log)]
+    assert any(d > 0 for d in decode), log[-3000:]      # the replica's counters reached the policy
+    assert _engine(cluster)["running"] == 1                     # held: the downscale window is 300 s
