@@ -19,7 +19,6 @@ long prompts' TTFT and the output tokens/s of the whole run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import statistics
@@ -28,6 +27,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.bench_host import emit  # noqa: E402
 
 
 def workload(args) -> tuple[list, list]:
@@ -98,11 +99,7 @@ def main() -> int:
               "unified": unified, "disaggregated": disaggregated,
               "tpot_p99_ratio": round(disaggregated["tpot_p99_ms"] / unified["tpot_p99_ms"], 3),
               "throughput_ratio": round(disaggregated["output_tokens_per_s"] / unified["output_tokens_per_s"], 3)}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

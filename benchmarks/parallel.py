@@ -21,7 +21,6 @@ every layout, measured in the same run:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -33,6 +32,8 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+
+from benchmarks.bench_host import emit  # noqa: E402
 
 
 def save_llama(folder: str) -> None:
@@ -192,11 +193,7 @@ def main() -> int:
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
     result = {"cpu": cpu, "cores": os.cpu_count(), "tp": bench_tp(args.quick), "ep": bench_ep(args.quick),
               "planner_llama3_70b_h100": planner_tp()}
-    text = json.dumps(result, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text + "\n")
+    emit(result, args.out)
     return 0
 
 

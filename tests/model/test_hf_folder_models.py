@@ -7,38 +7,17 @@ import torch
 
 from kvserve.sampling.params import SamplingParams
 from tests.support.parity import compare_greedy
+from tests.support.tiny_models import save_tiny_hf
 
 pytestmark = pytest.mark.model
 
 PROMPTS = ["The capital of France is", "def add(a, b):", "1, 2, 3,", "Hello 世界 🌍"]
 
 
-def _save_tiny(kind: str, folder, model_path):
-    import transformers
-    from transformers import AutoTokenizer
-    cls, cfg_cls, extra = {
-        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, {"tie_word_embeddings": False}),
-        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, {"tie_word_embeddings": True}),
-    }[kind]
-    torch.manual_seed(0)
-    config = cfg_cls(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                     rope_theta=10000.0, initializer_range=0.3, bos_token_id=1, eos_token_id=2, **extra)
-    model = cls(config).eval()
-    if kind == "qwen2":   # make the biases matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    folder_name, file_name = str(model_path).rsplit("/", 1)
-    AutoTokenizer.from_pretrained(folder_name, gguf_file=file_name).save_pretrained(folder)
-    return model
-
-
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_hf_folder_matches_transformers(kind, tmp_path, model_path):
     from kvserve import LLM
-    hf_model = _save_tiny(kind, tmp_path, model_path)
+    hf_model = save_tiny_hf(kind, tmp_path, model_path)
     llm = LLM(str(tmp_path), dtype="float32", kv_cache_bytes=32 * 2**20)
     assert llm.engine.model_config.architecture == kind
     assert llm.engine.model_config.attention_bias == (kind == "qwen2")

@@ -9,10 +9,10 @@ logprobs within 1e-4.
 from __future__ import annotations
 
 import pytest
-import torch
 
 from kvserve.sampling.params import SamplingParams
 from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
+from tests.support.tiny_models import save_tiny_hf
 
 pytestmark = pytest.mark.model
 
@@ -26,25 +26,10 @@ def _prompts() -> list[str]:
 
 
 def _save_tiny(kind: str, folder, model_path) -> None:
-    import transformers
-    from transformers import AutoTokenizer
-    cls, cfg_cls, heads, kv_heads, tied = {
-        "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, 8, 4, False),
-        "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, 4, 1, True),
-    }[kind]
-    torch.manual_seed(0)
-    config = cfg_cls(vocab_size=49152, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                     num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
-                     rope_theta=10000.0, initializer_range=0.3, bos_token_id=1, eos_token_id=2,
-                     tie_word_embeddings=tied)
-    model = cls(config).eval()
-    if kind == "qwen2":   # make the biases matter
-        for layer in model.model.layers:
-            for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
-                torch.nn.init.normal_(proj.bias, std=0.5)
-    model.save_pretrained(folder, safe_serialization=True)
-    folder_name, file_name = str(model_path).rsplit("/", 1)
-    AutoTokenizer.from_pretrained(folder_name, gguf_file=file_name).save_pretrained(folder)
+    """Llama: 8 heads / 4 KV heads (split 2 + 2), untied; Qwen2: 4 heads / 1 KV head
+    (replicated), tied, biases."""
+    heads, kv_heads = (8, 4) if kind == "llama" else (4, 1)
+    save_tiny_hf(kind, folder, model_path, heads=heads, kv_heads=kv_heads, hidden=128, intermediate=256)
 
 
 def assert_same_greedy(ref, got) -> None:
