@@ -12,6 +12,8 @@ PLAN_EPILOG = """examples:
   kvserve plan --model deepseek-v3 --gpu h200 --weight-dtype fp8 --context 32768 --concurrency 64 --json
   kvserve plan --model llama-3-8b --gpu l4 --rps 20 --prompt-tokens 1000:4000 --output-tokens 200 \\
       --ttft-p99-ms 1000 --tpot-ms 50 --spec-alpha 0.7 --spec-k 4
+  kvserve plan --model llama-3-8b --gpu h100-sxm --rps 20 --prompt-tokens 4096 --output-tokens 256 \\
+      --ttft-p99-ms 1000 --tpot-ms 30 --disaggregate
   kvserve plan --model default --gpu local --weight-dtype fp32 --kv-dtype fp32 --context 512 --concurrency 64
 """
 
@@ -44,6 +46,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--spec-draft-cost", type=float, default=0.05, help="draft forward / target step")
     s.add_argument("--expert-parallel", action="store_true", help="spread MoE experts across the TP group")
     s.add_argument("--tp", type=int, help="force this tensor-parallel degree")
+    s.add_argument("--disaggregate", action="store_true",
+                   help="also size a prefill/decode disaggregated layout and compare it (traffic mode)")
+    s.add_argument("--kv-link-gbs", type=float,
+                   help="with --disaggregate: KV transfer link GB/s per rank (default: the interconnect, "
+                        "50 GB/s across nodes)")
     s.add_argument("--max-tp", type=int, default=64)
     s.add_argument("--max-num-seqs", type=int,
                    help="engine limit (default 256, or the profiled engine's for a profiled entry)")
@@ -125,6 +132,8 @@ def run_plan(args: argparse.Namespace) -> int:
     from kvserve.planner.plan import make_plan
     from kvserve.planner.report import render_table
 
+    if getattr(args, "disaggregate", False):
+        return _run_disagg_plan(args)
     try:
         plan = make_plan(build_inputs(args))
     except KVServeError as exc:
@@ -135,6 +144,25 @@ def run_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print("plots: " + ", ".join(paths), file=sys.stderr)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_table(plan))
+    return 0
+
+
+def _run_disagg_plan(args: argparse.Namespace) -> int:
+    """``kvserve plan --disaggregate``: the unified plan and the disaggregated layout (table or JSON)."""
+    from kvserve.planner.disagg import DisaggOptions, make_disagg_plan
+    from kvserve.planner.disagg_report import render_disagg_table
+
+    try:
+        link = args.kv_link_gbs * 1e9 if args.kv_link_gbs is not None else None
+        plan = make_disagg_plan(build_inputs(args), DisaggOptions(link_bw=link))
+    except KVServeError as exc:
+        return _fail(exc, args.json)
+    if args.plot:
+        from kvserve.planner.plots import write_plots
+        paths = write_plots(plan.unified, args.plot)
+        if not args.json:
+            print("plots: " + ", ".join(paths), file=sys.stderr)
+    print(json.dumps(plan.to_json(), indent=2) if args.json else render_disagg_table(plan))
     return 0
 
 

@@ -183,8 +183,23 @@ def _extra_figures(inp: PlanInputs, c: Candidate) -> list[Figure]:
         ep = c.tp if inp.model.moe.num_experts % c.tp == 0 else 1
         moe = moe_figures(inp.model, inp.hw, ep, c.batch, included=c.cm.expert_parallel)
     if moe is not None:
-        figs += [moe.experts_per_gpu, moe.all_to_all_per_layer, moe.all_to_all_per_step]
+        figs += [_ep_figure(inp, c, ep), moe.experts_per_gpu, moe.all_to_all_per_layer, moe.all_to_all_per_step]
     return figs
+
+
+def _ep_figure(inp: PlanInputs, c: Candidate, ep: int) -> Figure:
+    """The expert-parallel degree the MoE figures use, and whether the step times include it."""
+    experts = inp.model.moe.num_experts
+    if ep == 1:
+        why = (f"TP 1: one GPU holds all {experts} experts" if c.tp == 1
+               else f"{experts} experts do not split over TP {c.tp}: experts TP-sharded, EP 1")
+    elif c.cm.expert_parallel:
+        why = (f"--expert-parallel: {experts} experts spread over the TP group of {ep} GPUs; the all-to-all "
+               f"is in the step time")
+    else:
+        why = (f"EP = the TP group of {ep} GPUs, shown for comparison; the step times shard experts by TP "
+               f"(--expert-parallel to spread them)")
+    return Figure("ep", float(ep), "GPUs", why)
 
 
 def decode_throughput_bound(inp: PlanInputs, c: Candidate) -> Figure:

@@ -16,7 +16,7 @@ SECTIONS = (
     ("Fleet and cost", ("replicas", "gpus", "usd_per_month", "usd_per_million_output_tokens",
                         "usd_per_million_output_tokens_at_capacity")),
     ("Speculative decoding", ("spec_expected_tokens_per_step", "spec_speedup", "spec_breakeven_batch")),
-    ("Mixture of experts", ("experts_per_gpu", "all_to_all_s_per_layer", "all_to_all_s_per_step")),
+    ("Mixture of experts", ("ep", "experts_per_gpu", "all_to_all_s_per_layer", "all_to_all_s_per_step")),
 )
 
 
