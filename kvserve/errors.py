@@ -57,6 +57,14 @@ class AdapterLoadError(InvalidRequestError):
     code = "invalid_lora_adapter"
 
 
+class EngineBusyError(KVServeError):
+    """The engine holds requests, or sleeps, and cannot do this now (HTTP 409)."""
+
+    http_status = 409
+    error_type = "invalid_request_error"
+    code = "engine_busy"
+
+
 class AdapterNotFoundError(KVServeError):
     """A request names an adapter that is not loaded (HTTP 404, as an unknown model)."""
 

@@ -20,6 +20,7 @@ from kvserve.engine.adapter_catalog import AdapterCatalog
 from kvserve.engine.admission import EngineLimits, check_context, check_grace_s, check_logit_bias, check_token_ids
 from kvserve.engine.config import ResolvedConfig
 from kvserve.engine.constraint import NullConstraints
+from kvserve.engine import weight_swap
 from kvserve.engine.fair_share import tenant_served_tokens
 from kvserve.engine.kv.cache_events import CacheEvent, CacheNamespace, prompt_block_hashes
 from kvserve.engine.kv.manager import KVCacheManager, KVImportResult
@@ -31,7 +32,7 @@ from kvserve.engine.sequence import FinishReason
 from kvserve.engine.stats import AdapterCounters, EngineStats, PrefixSubtree
 from kvserve.engine.step import SeqUpdate
 from kvserve.engine.step_time import LinearTimeModel
-from kvserve.errors import AdapterNotFoundError, InvalidRequestError
+from kvserve.errors import AdapterNotFoundError, EngineBusyError, InvalidRequestError
 
 SUBTREES_SHOWN = 8            # prefix-cache branches reported in EngineStats (the console shows them)
 SUBTREES_REFRESH_S = 1.0      # how often they are recounted
@@ -52,6 +53,7 @@ class EngineCore:
         self.kv: KVCacheManager = scheduler.kv
         self.runner = runner
         self.start_timings: dict[str, float] = {}    # start-up phase -> seconds (set by the builder)
+        self.asleep = None                   # weight_swap.Asleep while the KV cache is freed
         self.speculator = speculator or NullSpeculator()
         self.adapters = adapters             # LoRA adapters (None: base weights only)
         self.step_time = step_time or LinearTimeModel()   # measured steps (shared with the policy)
@@ -75,7 +77,7 @@ class EngineCore:
     @property
     def dtype(self):
         """The compute dtype (a torch dtype; an 8-bit KV cache dequantises to it)."""
-        return self.runner.kv_cache.dtype
+        return self.asleep.dtype if self.asleep is not None else self.runner.kv_cache.dtype
 
     @property
     def kv_cache_dtype(self) -> str:
@@ -110,6 +112,8 @@ class EngineCore:
     def validate_request(self, request: EngineRequest) -> str | None:
         """Raise a typed error if this request cannot run here; changes nothing. Returns
         the identity of the adapter it would run with (None: the base weights)."""
+        if self.asleep is not None:
+            raise EngineBusyError("the engine is asleep: wake it before sending requests")
         key = self.adapter_key(request.adapter_id) if request.adapter_id is not None else None
         request.params.validate()
         check_token_ids(request.prompt_token_ids, self.limits.vocab_size)
@@ -161,6 +165,20 @@ class EngineCore:
     def warm_up(self) -> float:
         """One warm-up pass (``ModelRunner.warm_up``) before any request; returns its seconds."""
         return self.runner.warm_up()
+
+    # ------------------------------------------------- weights in place, sleep / wake
+    def load_weights(self, model_path: str) -> dict:
+        """Swap in a same-shaped checkpoint between steps (idle engine), bumping the weight
+        epoch (``engine/weight_swap.py``)."""
+        return weight_swap.load_weights(self, model_path)
+
+    def sleep(self) -> dict:
+        """Free the KV cache (GPU weights to host memory) until ``wake``."""
+        return weight_swap.sleep(self)
+
+    def wake(self) -> dict:
+        """Weights back, a zeroed KV cache of the same plan."""
+        return weight_swap.wake(self)
 
     def close(self) -> None:
         """Release what the runner started (a tensor-parallel runner's worker ranks)."""

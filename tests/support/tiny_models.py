@@ -6,16 +6,17 @@ import torch
 
 
 def save_tiny_hf(kind: str, folder, model_path, heads: int = 4, kv_heads: int = 2, hidden: int = 64,
-                 intermediate: int = 128, tied: bool | None = None):
+                 intermediate: int = 128, tied: bool | None = None, seed: int = 0):
     """Save a 2-layer ``kind`` ("llama": untied head by default; "qwen2": tied head and q/k/v
-    biases drawn large enough to matter) to ``folder``; returns the transformers model."""
+    biases drawn large enough to matter), weights drawn from ``seed``, to ``folder``; returns
+    the transformers model."""
     import transformers
     from transformers import AutoTokenizer
     cls, cfg_cls, default_tied = {
         "llama": (transformers.LlamaForCausalLM, transformers.LlamaConfig, False),
         "qwen2": (transformers.Qwen2ForCausalLM, transformers.Qwen2Config, True),
     }[kind]
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     config = cfg_cls(vocab_size=49152, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                      num_attention_heads=heads, num_key_value_heads=kv_heads,
                      max_position_embeddings=256 if hidden <= 64 else 512, rope_theta=10000.0,
