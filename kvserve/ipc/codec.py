@@ -128,6 +128,26 @@ class AdapterResult:
 
 
 @dataclass
+class WeightsCommand:
+    """Admin: ``action`` "load" (the checkpoint at ``path``, same shape), "sleep" or "wake"
+    (``kvserve.engine.weight_swap``). The engine runs it once the requests already in flight
+    have finished, holding newer ones until it is done (answered by WeightsResult)."""
+
+    action: str
+    path: str | None = None
+
+
+@dataclass
+class WeightsResult:
+    """The answer to WeightsCommand: ``status`` 200 with ``result`` (epoch, seconds, bytes
+    freed), or the typed error's status and OpenAI error body."""
+
+    status: int
+    result: dict | None = None
+    error: dict | None = None
+
+
+@dataclass
 class Shutdown:
     """Abort everything and exit."""
 
@@ -174,7 +194,7 @@ class RequestError:
 _TYPES: dict[str, type] = {cls.__name__: cls for cls in (
     InitEngine, EngineReady, EngineRequest, AbortRequests, StopSequences, Shutdown, EngineStatsUpdate,
     StepOutputs, RequestError, ResetPrefixCache, PrefixCacheReset, EngineFailed, LoadAdapter, UnloadAdapter,
-    AdapterResult, CacheBlocks, *KV_MESSAGES)}
+    AdapterResult, CacheBlocks, WeightsCommand, WeightsResult, *KV_MESSAGES)}
 
 
 # --------------------------------------------------------------- conversion

@@ -30,6 +30,7 @@ from kvserve.engine.kv.cache_events import BlockStored
 from kvserve.engine.request import RequestStatus
 from kvserve.engine.stats import EngineStats
 from kvserve.ipc import codec
+from kvserve.ipc.weight_commands import WeightsGate
 
 logger = logging.getLogger("kvserve.engine_proc")
 IDLE_POLL_S = 0.5
@@ -48,6 +49,7 @@ class EngineLoop:
         self.num_aborted = 0
         self.integrity_ok = True
         self._dirty = False                       # sequences ended outside a step: prune tenants
+        self.weights = WeightsGate()              # a pending load / sleep / wake and what waits behind it
 
     # ----------------------------------------------------------------- I/O
     def send(self, message) -> None:
@@ -69,12 +71,18 @@ class EngineLoop:
     # ------------------------------------------------------------- messages
     def handle(self, message) -> None:
         if isinstance(message, codec.EngineRequest):
-            self._add(message)
+            if not self.weights.hold(message):
+                self._add(message)
         elif isinstance(message, codec.AbortRequests):
             for request_id in message.request_ids:
                 self._forget(request_id)
-                if self.engine.abort_request(request_id):
+                if self.weights.release(request_id) or self.engine.abort_request(request_id):
                     self.num_aborted += 1
+        elif isinstance(message, codec.WeightsCommand):
+            refused = self.weights.offer(message)
+            if refused is not None:
+                self.send(refused)
+            self.run_weights_command()
         elif isinstance(message, codec.StopSequences):
             for seq_id in message.seq_ids:
                 self.engine.stop_sequence(seq_id)
@@ -88,6 +96,16 @@ class EngineLoop:
             self.running = False
         else:
             logger.warning("ignoring unexpected message %s", type(message).__name__)
+
+    def run_weights_command(self) -> None:
+        """Run a pending weights command once nothing is in flight; then admit what it held."""
+        result, held = self.weights.run_if_idle(self.engine)
+        if result is None:
+            return
+        self.send(result)
+        self.send_cache_blocks()                  # an epoch bump or sleep drops cached blocks
+        for request in held:
+            self._add(request)
 
     def _add(self, request: codec.EngineRequest) -> None:
         """Queue the request exactly as the HTTP process built it (its cache salt was
@@ -182,6 +200,7 @@ class EngineLoop:
                 break
             if self.engine.has_unfinished():
                 self.step()
+                self.run_weights_command()
             elif busy or messages:            # just went idle, or aborts/stops landed
                 self.tenants.clear()              # nothing unfinished: every request has ended
                 self.waiting_ids.clear()
