@@ -142,11 +142,20 @@ class DisaggregatedEngines:
     def abort(self, request_id: str) -> None:
         """End a request now at whatever stage it is; its transfer room is given back
         as soon as the engine that may touch it has answered."""
+        self._end(request_id, count_abort=True)
+
+    def finish(self, request_id: str) -> None:
+        """The caller ended the request itself (e.g. the HTTP process matched its stop
+        strings and stopped its sequences): end it as ``abort`` does, without counting it
+        as aborted. Nothing happens if the driver had already ended it."""
+        self._end(request_id, count_abort=False)
+
+    def _end(self, request_id: str, count_abort: bool) -> None:
         tracked = self._tracked.get(request_id)
         if tracked is None or tracked.stage is Stage.DONE or tracked.aborted:
             return
         tracked.aborted = True
-        self.counters.num_aborted += 1
+        self.counters.num_aborted += 1 if count_abort else 0
         if tracked.stage is Stage.STAGING:
             self._waiting_room.remove(request_id)
             self._finish(tracked)
@@ -177,6 +186,16 @@ class DisaggregatedEngines:
             for message in self.decode.receive():
                 updates += self._on_decode(message)
         return updates
+
+    def on_message(self, engine: EngineProcess, message) -> list[SeqUpdate]:
+        """Handle one message ``engine`` (``self.prefill`` or ``self.decode``) sent, for a
+        caller that reads the engines' sockets itself instead of calling ``poll``; the
+        decode engine's updates of live requests. Messages that are not the driver's
+        (stats, cache blocks, control answers, IntegrityReport) are ignored here."""
+        if engine is self.prefill:
+            self._on_prefill(message)
+            return []
+        return self._on_decode(message)
 
     def take_result(self, request_id: str) -> DisaggResult:
         """The outcome of a request that is done; the driver forgets it."""

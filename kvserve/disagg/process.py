@@ -17,7 +17,13 @@ from kvserve.ipc import codec
 
 
 class EngineStartError(RuntimeError):
-    """The engine process refused its configuration or died before it was ready."""
+    """The engine process refused its configuration or died before it was ready.
+    ``status`` and ``error`` are EngineFailed's (HTTP status, ``{"error": {...}}`` body)
+    when it refused; None when it died or timed out."""
+
+    def __init__(self, message: str, status: int | None = None, error: dict | None = None):
+        super().__init__(message)
+        self.status, self.error = status, error
 
 
 class EngineProcess:
@@ -46,7 +52,8 @@ class EngineProcess:
                     self.info = message
                     return message
                 if isinstance(message, codec.EngineFailed):
-                    raise EngineStartError(f"{self.name} engine refused its configuration: {message.error}")
+                    raise EngineStartError(f"{self.name} engine refused its configuration: {message.error}",
+                                           message.status, message.error)
             if self.process.poll() is not None:
                 raise EngineStartError(f"{self.name} engine exited with {self.process.returncode} before it was ready")
         raise EngineStartError(f"{self.name} engine not ready after {timeout_s:.0f} s")

@@ -68,6 +68,7 @@ class ServingContext:
     client: object = None                          # EngineClient once started
     start_drain: Callable[[], None] | None = None  # set by the launcher: POST /admin/drain calls it
     active: set = field(default_factory=set)       # Generations in flight
+    disaggregated: bool = False                    # --disaggregate: GET /admin/disagg is served
     created: int = field(default_factory=lambda: int(time.time()))
 
     def __post_init__(self):
@@ -312,6 +313,8 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     _add_admin_routes(app, ctx)
+    if ctx.disaggregated:
+        _add_disagg_routes(app, ctx)
     _add_token_routes(app, ctx)
     add_console_routes(app, ctx)
 
@@ -366,6 +369,15 @@ def _add_admin_routes(app: FastAPI, ctx: ServingContext) -> None:
         await _engine(ctx).unload_adapter(name)
         logger.info("LoRA adapter %r unloaded", name)
         return {"lora_name": name, "unloaded": True}
+
+
+def _add_disagg_routes(app: FastAPI, ctx: ServingContext) -> None:
+    @app.get("/admin/disagg")
+    async def disagg_status():
+        """Admin (--disaggregate): both engines' block accounting checked between their steps
+        (``ok``; used / free / cached-only blocks, pending exports), the staging area, the
+        driver's counters, its requests per stage and the engines' pids."""
+        return await _engine(ctx).status()
 
 
 def _engine(ctx: ServingContext):

@@ -74,9 +74,44 @@ def register(subparsers) -> None:
                      help="share a saturated engine between tenants by weighted tokens served, within each "
                           "class (docs/fairness.md; on with --tenants, whose weights it uses)")
     _add_lora_arguments(p)
+    _add_disagg_arguments(p)
     _add_limit_arguments(p)
     p.add_argument("--log-level", default="INFO")
     p.set_defaults(func=run)
+
+
+def _add_disagg_arguments(p) -> None:
+    dis = p.add_argument_group("prefill/decode disaggregation (docs/disaggregation.md)")
+    dis.add_argument("--disaggregate", action="store_true",
+                     help="run a prefill engine and a decode engine as two processes; long uncached prompts "
+                          "are prefilled on the first and their KV blocks move to the second")
+    dis.add_argument("--disagg-threshold-tokens", type=int, default=512, metavar="N",
+                     help="uncached prompt tokens from which a request is prefilled on the prefill engine "
+                          "(default 512); shorter ones stay on the decode engine")
+    dis.add_argument("--disagg-staging-blocks", type=int, default=512, metavar="N",
+                     help="KV blocks in flight between the engines at once (the shared-memory staging area)")
+    dis.add_argument("--prefill-threads", type=int, default=None, help="prefill engine torch threads (default --threads)")
+    dis.add_argument("--decode-threads", type=int, default=None, help="decode engine torch threads (default --threads)")
+
+
+def disagg_client_factory(args):
+    """With ``--disaggregate``: the engine-client factory for KVServer (a ``DisaggEngineClient``
+    bound to the flags); None without. Settings whose KV cannot move are a ValueError."""
+    if not getattr(args, "disaggregate", False):
+        return None
+    import functools
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        raise ValueError("--disaggregate needs --tensor-parallel-size 1 (sharded KV cannot move yet)")
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        raise ValueError("--disaggregate needs --kv-cache-dtype auto (8-bit KV and its scales cannot move yet)")
+    if args.disagg_threshold_tokens < 1 or args.disagg_staging_blocks < 1:
+        raise ValueError("--disagg-threshold-tokens and --disagg-staging-blocks must be >= 1")
+    from kvserve.disagg.driver import DisaggConfig
+    from kvserve.server.disagg_client import DisaggEngineClient
+    config = DisaggConfig(threshold_tokens=args.disagg_threshold_tokens, staging_blocks=args.disagg_staging_blocks)
+    prefill = {"num_threads": args.prefill_threads} if args.prefill_threads else {}
+    decode = {"num_threads": args.decode_threads} if args.decode_threads else {}
+    return functools.partial(DisaggEngineClient, disagg_config=config, prefill_config=prefill, decode_config=decode)
 
 
 def _add_limit_arguments(p) -> None:
@@ -210,6 +245,7 @@ def build_server(args):
     """A KVServer for these arguments (loads the tokenizer; the engine starts in serve())."""
     from kvserve.loader import resolve_model_path
     from kvserve.server.app import ServingContext
+    from kvserve.server.engine_client import EngineClient
     from kvserve.server.launcher import KVServer
     from kvserve.server.metrics import ServerMetrics
     from kvserve.server.state import AdmissionLimits, ServerState
@@ -231,8 +267,10 @@ def build_server(args):
                          default_max_tokens=getattr(args, "default_max_tokens", 2048) or None,
                          max_tokens_limit=getattr(args, "max_tokens_limit", None))
     ctx.tenancy = build_tenancy(tenants, getattr(args, "tenants", None), getattr(args, "audit_log", None), ctx)
+    factory = disagg_client_factory(args)
+    ctx.disaggregated = factory is not None
     return KVServer(ctx, engine_config, args.host, args.port, drain_timeout_s=args.drain_timeout,
-                    http_limits=http_limits(args))
+                    http_limits=http_limits(args), client_factory=factory or EngineClient)
 
 
 def server_keys(args, tenants) -> tuple[dict, tuple[str, ...]]:

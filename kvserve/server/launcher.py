@@ -66,8 +66,12 @@ class KVServer:
 
     def __init__(self, ctx: ServingContext, engine_config: dict, host: str, port: int,
                  drain_timeout_s: float = 30.0, engine_start_timeout_s: float = 600.0,
-                 http_limits: HttpLimits | None = None):
+                 http_limits: HttpLimits | None = None, client_factory=EngineClient):
+        """``client_factory(tokenizer, metrics, engine_config, on_dead=...)`` builds the engine
+        client: ``EngineClient`` (one engine process) or, with ``--disaggregate``,
+        ``disagg_client.DisaggEngineClient`` (a prefill and a decode engine) bound to its settings."""
         self.ctx = ctx
+        self.client_factory = client_factory
         self.engine_config = engine_config
         self.drain_timeout_s = drain_timeout_s
         self.engine_start_timeout_s = engine_start_timeout_s
@@ -99,7 +103,8 @@ class KVServer:
 
     async def start_engine(self) -> None:
         """Start the engine process and mark the server ready (a start-up failure ends the server)."""
-        client = EngineClient(self.ctx.tokenizer, self.ctx.metrics, self.engine_config, on_dead=self._on_engine_dead)
+        client = self.client_factory(self.ctx.tokenizer, self.ctx.metrics, self.engine_config,
+                                     on_dead=self._on_engine_dead)
         self.ctx.client = client
         try:
             info = await client.start(self.engine_start_timeout_s)

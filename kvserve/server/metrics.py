@@ -235,6 +235,51 @@ class LoRAMetrics:
                           waiting_lora_adapters=",".join(counters.waiting_adapters))
 
 
+class DisaggMetrics:
+    """The prefill/decode driver's counters (``kvserve serve --disaggregate``), mirrored from
+    ``DisaggCounters``; rendered only once ``enable`` was called."""
+
+    def __init__(self):
+        c, g = Counter, Gauge
+        self.requests = c("kvserve_disagg_requests_total", "Requests routed by the disaggregation rule, by route "
+                          "(unified: the decode engine prefills; disaggregated: the prefill engine does, KV moves).")
+        self.aborted = c("kvserve_disagg_requests_aborted_total", "Requests aborted in the driver (any stage).")
+        self.blocks_sent = c("kvserve_disagg_kv_blocks_sent_total", "KV blocks the prefill engine exported.")
+        self.blocks_received = c("kvserve_disagg_kv_blocks_received_total",
+                                 "KV blocks imported into the decode engine's prefix cache.")
+        self.blocks_skipped = c("kvserve_disagg_kv_blocks_skipped_total",
+                                "Prompt blocks of disaggregated requests the decode engine cached already (not moved).")
+        self.blocks_present = c("kvserve_disagg_kv_blocks_present_on_import_total",
+                                "Blocks sent that the decode engine had cached by the time they arrived.")
+        self.blocks_dropped = c("kvserve_disagg_kv_blocks_dropped_total",
+                                "Blocks sent that the decode engine refused (no room, another namespace).")
+        self.in_stage = g("kvserve_disagg_requests_in_stage", "Requests the driver holds, by stage.")
+        self.threshold = g("kvserve_disagg_threshold_tokens", "Uncached prompt tokens from which a request is "
+                           "prefilled on the prefill engine.", additive=False)
+        self.all = [self.requests, self.aborted, self.blocks_sent, self.blocks_received, self.blocks_skipped,
+                    self.blocks_present, self.blocks_dropped, self.in_stage, self.threshold]
+        self.enabled = False
+
+    def enable(self, threshold_tokens: int) -> None:
+        self.enabled = True
+        self.threshold.set(threshold_tokens)
+        for route in ("unified", "disaggregated"):
+            self.requests.set_total(0, route=route)
+
+    def update(self, counters, stages: dict[str, int]) -> None:
+        """Mirror a ``DisaggCounters`` and the live requests per stage."""
+        self.requests.set_total(counters.num_unified, route="unified")
+        self.requests.set_total(counters.num_disaggregated, route="disaggregated")
+        self.aborted.set_total(counters.num_aborted)
+        self.blocks_sent.set_total(counters.blocks_sent)
+        self.blocks_received.set_total(counters.blocks_received)
+        self.blocks_skipped.set_total(counters.blocks_skipped)
+        self.blocks_present.set_total(counters.blocks_present_on_import)
+        self.blocks_dropped.set_total(counters.blocks_dropped)
+        for stage, count in stages.items():
+            self.in_stage.set(count, stage=stage)
+
+
 class ServerMetrics:
     """Every metric the server exports; ``render()`` is the /metrics body."""
 
@@ -286,6 +331,7 @@ class ServerMetrics:
         self.tenants = TenantMetrics()
         self.lora = LoRAMetrics()
         self.lora_enabled = False                 # set once the engine's stats say LoRA is on
+        self.disagg = DisaggMetrics()             # rendered with --disaggregate only
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
                      self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
@@ -328,11 +374,12 @@ class ServerMetrics:
 
     def all_metrics(self) -> list:
         """Every metric object ``render()`` may write (the LoRA ones included)."""
-        return self._all + self.lora.all
+        return self._all + self.lora.all + (self.disagg.all if self.disagg.enabled else [])
 
     def render(self) -> str:
         lines = []
-        for metric in self._all + (self.lora.all if self.lora_enabled else []):
+        extra = (self.lora.all if self.lora_enabled else []) + (self.disagg.all if self.disagg.enabled else [])
+        for metric in self._all + extra:
             lines.append(f"# HELP {metric.name} {metric.help}")
             lines.append(f"# TYPE {metric.name} {metric.kind}")
             lines.extend(metric.render())
