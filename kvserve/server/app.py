@@ -44,6 +44,7 @@ from kvserve.server.serving import (Generation, apply_generation_length, check_p
                                     prepare_prompts, token_reservation)
 from kvserve.server.state import ServerState
 from kvserve.server.tenancy import RateLimitHeaders, RequestAccount, Tenancy
+from kvserve.server.weights_routes import add_weight_routes
 from kvserve.server.timing import HEADER as SERVER_TIMING
 
 logger = logging.getLogger("kvserve.server")
@@ -313,6 +314,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 
     _add_admin_routes(app, ctx)
+    add_weight_routes(app, ctx, _engine, read_json)
     if ctx.disaggregated:
         _add_disagg_routes(app, ctx)
     _add_token_routes(app, ctx)

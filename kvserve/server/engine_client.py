@@ -190,6 +190,15 @@ class EngineClient:
         if reply.error is not None:
             raise error_from_body(reply.status, reply.error)
 
+    async def weights_command(self, action: str, path: str | None = None, timeout_s: float = 600.0) -> dict:
+        """Admin: load weights in place / sleep / wake (``ipc/weight_commands.py``); what the
+        engine reports. It answers once the requests in flight have finished; its typed error
+        (400 another shape, 409 busy or asleep) is raised as it is."""
+        reply = await self._query(codec.WeightsCommand(action, path), codec.WeightsResult, timeout_s)
+        if reply.error is not None:
+            raise error_from_body(reply.status, reply.error)
+        return reply.result
+
     async def _query(self, message, reply_type: type, timeout_s: float):
         """Send a control message and wait for its answer (answers come in the order the
         queries were sent; a query that timed out keeps its place, its answer is dropped,
@@ -273,7 +282,7 @@ class EngineClient:
         elif isinstance(message, codec.EngineStatsUpdate):
             self.stats = message.stats
             self.metrics.update_engine(message.stats)
-        elif isinstance(message, (codec.PrefixCacheReset, codec.AdapterResult)):
+        elif isinstance(message, (codec.PrefixCacheReset, codec.AdapterResult, codec.WeightsResult)):
             self._answer(message)
         elif isinstance(message, codec.RequestError):
             tracked = self.requests.pop(message.request_id, None)
