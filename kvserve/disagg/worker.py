@@ -17,9 +17,7 @@ the blocks it reads cannot have been evicted in between. Started as
 """
 from __future__ import annotations
 
-import argparse
 import logging
-import os
 import socket
 import sys
 from dataclasses import dataclass
@@ -28,7 +26,7 @@ from kvserve.disagg.transfer import KVTransfer, TransferTicket, attach_transfer
 from kvserve.engine.request import EngineRequest
 from kvserve.errors import KVServeError
 from kvserve.ipc import codec, kv_messages as km
-from kvserve.ipc.engine_proc import EngineLoop, ignore_stop_signals, serve
+from kvserve.ipc.engine_proc import EngineLoop, run_engine_process
 
 logger = logging.getLogger("kvserve.disagg.worker")
 
@@ -131,18 +129,8 @@ class DisaggEngineLoop(EngineLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvserve disaggregated engine process")
-    parser.add_argument("--fd", type=int, required=True, help="inherited socket file descriptor")
-    args = parser.parse_args(argv)
-    ignore_stop_signals()
-    logging.basicConfig(level=os.environ.get("KVSERVE_LOG_LEVEL", "WARNING"),
-                        format="%(levelname)s disagg engine: %(message)s", stream=sys.stderr)
-    sock = socket.socket(fileno=args.fd)
-    sock.setblocking(True)
-    try:
-        return serve(sock, make_loop=DisaggEngineLoop)
-    finally:
-        sock.close()
+    return run_engine_process(argv, "kvserve disaggregated engine process", "disagg engine", "WARNING",
+                              make_loop=DisaggEngineLoop)
 
 
 if __name__ == "__main__":

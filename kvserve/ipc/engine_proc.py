@@ -285,19 +285,26 @@ def ignore_stop_signals() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="kvserve engine-core process (started by kvserve serve)")
+def run_engine_process(argv: list[str] | None, description: str, log_name: str, default_level: str = "INFO",
+                       make_loop=None) -> int:
+    """An engine process's entry point: its socket from ``--fd``, stop signals ignored, the
+    log configured, then ``serve`` (with ``make_loop``'s loop class when given)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--fd", type=int, required=True, help="inherited socket file descriptor")
     args = parser.parse_args(argv)
     ignore_stop_signals()
-    logging.basicConfig(level=os.environ.get("KVSERVE_LOG_LEVEL", "INFO"),
-                        format="%(levelname)s engine: %(message)s", stream=sys.stderr)
+    logging.basicConfig(level=os.environ.get("KVSERVE_LOG_LEVEL", default_level),
+                        format=f"%(levelname)s {log_name}: %(message)s", stream=sys.stderr)
     sock = socket.socket(fileno=args.fd)
     sock.setblocking(True)
     try:
-        return serve(sock)
+        return serve(sock) if make_loop is None else serve(sock, make_loop=make_loop)
     finally:
         sock.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_engine_process(argv, "kvserve engine-core process (started by kvserve serve)", "engine")
 
 
 if __name__ == "__main__":
