@@ -30,6 +30,26 @@ def register(subparsers) -> None:
                         "log; see examples/tenants.toml and docs/tenants.md")
     p.add_argument("--audit-log", default=None, metavar="FILE",
                    help="append one JSON line per generation request to FILE (overrides the tenants file's)")
+    _add_engine_arguments(p)
+    sch = p.add_argument_group("scheduling (docs/latency_classes.md)")
+    sch.add_argument("--scheduling-policy", default="slo", choices=["slo", "fcfs"],
+                     help="slo: request classes (service_tier) with TTFT/TPOT targets; fcfs: priority, then arrival")
+    sch.add_argument("--batch-window-ms", type=float, default=0.0,
+                     help="how long a new batch-class (service_tier flex) request may wait to share a step")
+    sch.add_argument("--class-targets", default=None, metavar="JSON",
+                     help='per-class target overrides, e.g. \'{"interactive": {"tpot_s": 0.1}}\'')
+    sch.add_argument("--fair-share", action="store_true",
+                     help="share a saturated engine between tenants by weighted tokens served, within each "
+                          "class (docs/fairness.md; on with --tenants, whose weights it uses)")
+    _add_lora_arguments(p)
+    _add_disagg_arguments(p)
+    _add_limit_arguments(p)
+    p.add_argument("--log-level", default="INFO")
+    p.set_defaults(func=run)
+
+
+def _add_engine_arguments(p) -> None:
+    """The engine group: KV budget, batch limits, threads, parallelism, cold start, dtypes."""
     eng = p.add_argument_group("engine")
     eng.add_argument("--kv-cache-gib", type=float, default=None, help="KV cache budget in GiB")
     eng.add_argument("--max-num-seqs", type=int, default=64)
@@ -63,21 +83,6 @@ def register(subparsers) -> None:
                      help="speculative decoding: n-gram prompt lookup, a draft model sharing the tokenizer, "
                           "or the model's own first layers")
     eng.add_argument("--num-speculative-tokens", type=int, default=4, help="most drafts per sequence per step")
-    sch = p.add_argument_group("scheduling (docs/latency_classes.md)")
-    sch.add_argument("--scheduling-policy", default="slo", choices=["slo", "fcfs"],
-                     help="slo: request classes (service_tier) with TTFT/TPOT targets; fcfs: priority, then arrival")
-    sch.add_argument("--batch-window-ms", type=float, default=0.0,
-                     help="how long a new batch-class (service_tier flex) request may wait to share a step")
-    sch.add_argument("--class-targets", default=None, metavar="JSON",
-                     help='per-class target overrides, e.g. \'{"interactive": {"tpot_s": 0.1}}\'')
-    sch.add_argument("--fair-share", action="store_true",
-                     help="share a saturated engine between tenants by weighted tokens served, within each "
-                          "class (docs/fairness.md; on with --tenants, whose weights it uses)")
-    _add_lora_arguments(p)
-    _add_disagg_arguments(p)
-    _add_limit_arguments(p)
-    p.add_argument("--log-level", default="INFO")
-    p.set_defaults(func=run)
 
 
 def _add_disagg_arguments(p) -> None:
