@@ -3,8 +3,9 @@
 Tiny random Hugging Face folders (no downloads): Llama with an untied head and KV heads
 split 2 ways, Qwen2 with q/k/v biases, a tied head and one KV head replicated on both
 ranks. 32 prompts with shared prefixes through a KV budget small enough to preempt, with
-the prefix cache and speculation on (the same weights, unsharded, drafting on rank 0): greedy ids equal to TP=1, chosen-token
-logprobs within 1e-4.
+the prefix cache and speculation on (the same weights, unsharded, drafting on rank 0):
+greedy ids equal to TP=1, chosen-token logprobs within 1e-4. Also SmolLM2 at TP=3, a rank
+that dies, and ``close()`` stopping the workers.
 """
 from __future__ import annotations
 
@@ -76,14 +77,16 @@ def test_tp2_equals_tp1(kind, tmp_path, model_path):
 
 def test_default_model_tp3_equals_tp1(llm, prompts, model_path):
     """SmolLM2-135M (9 heads, 3 KV heads, tied head) split 3 ways — the split its heads
-    allow — on the 32-prompt set (chat and ~1,000-token raw prompts)."""
+    allow — on 16 of the prompt set (chat and ~1,000-token raw prompts; three ranks share two
+    cores here, so the suite keeps this one short: the 32-prompt TP=2 checks are above)."""
     from kvserve import LLM
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)
-    ref = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+    chosen = [{"prompt_token_ids": p} for p in prompts[::2]]
+    ref = llm.generate(chosen, greedy)
     tp3 = LLM(model_path, dtype="float32", kv_cache_bytes=512 * 2**20, max_num_seqs=64,
               max_num_batched_tokens=1024, tensor_parallel_size=3, num_threads=1)
     try:
-        got = tp3.generate([{"prompt_token_ids": p} for p in prompts], greedy)
+        got = tp3.generate(chosen, greedy)
         assert tp3.engine.runner.comm_seconds > 0
     finally:
         tp3.engine.close()
