@@ -334,4 +334,5 @@ class EngineCore:
             speculation=self.speculator.counters(),
             step_time_fixed_s=fit[0] if fit else 0.0, step_time_per_token_s=fit[1] if fit else 0.0,
             adapters=self.adapters.counters() if self.adapters is not None else AdapterCounters(),
+            parallel=self.runner.parallel_counters(),
             tenant_served_tokens=tenant_served_tokens(self.scheduler.policy))

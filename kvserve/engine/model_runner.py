@@ -19,6 +19,7 @@ from kvserve.engine.batch_context import BatchContext, PlainBatch
 from kvserve.engine.constraint import ConstraintMasks, NullConstraints
 from kvserve.engine.decode_groups import decode_groups
 from kvserve.engine.lookahead import LookaheadGroup, Verifier
+from kvserve.engine.stats import ParallelCounters
 from kvserve.engine.step import ForwardWork, SampledToken, ScheduledSeq, StepPlan, StepResult
 from kvserve.sampling.sampler import Sampler, SamplingRow, token_logprobs
 
@@ -121,6 +122,13 @@ class ModelRunner:
             self.logits(hidden[rows])
         return time.perf_counter() - started
 
+    def parallel_counters(self) -> ParallelCounters:
+        """Expert load of a mixture-of-experts model on this process (one rank: no collectives)."""
+        expert_load = getattr(self.model, "expert_load", None)          # MoE models only
+        if expert_load is None:
+            return ParallelCounters()
+        return expert_counters(list(self.model.sparse_blocks().values()), [])
+
     def close(self) -> None:
         """Release what the runner started (nothing here; ranks of a parallel runner)."""
 
@@ -214,3 +222,20 @@ class ModelRunner:
         return DecodeGroup(token_index=torch.tensor(rows, device=self.device),
                            block_ids=torch.tensor(flat_ids, device=self.device), max_blocks=max_blocks,
                            mask=mask[:, None, None, :].to(self.device))
+
+
+def expert_counters(blocks: list, collective_seconds: list[float], tensor_parallel_size: int = 1,
+                    total_collective_seconds: float = 0.0) -> ParallelCounters:
+    """``ParallelCounters`` from mixture-of-experts blocks (each with ``expert_load``: rows per
+    expert in its last forward, and ``expert_tokens_total``: since start) and the sparse
+    layers' per-forward collective seconds."""
+    totals = [b.expert_tokens_total for b in blocks if getattr(b, "expert_tokens_total", None) is not None]
+    loads = [b.expert_load.float() for b in blocks if b.expert_load is not None]
+    imbalance = sum(float(l.max() / l.mean()) for l in loads if float(l.sum()) > 0) / len(loads) if loads else 0.0
+    ordered = sorted(collective_seconds)
+    def quantile(q: float) -> float:
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+    return ParallelCounters(tensor_parallel_size=tensor_parallel_size, collective_seconds=total_collective_seconds,
+                            expert_tokens=[int(x) for x in sum(totals).tolist()] if totals else [],
+                            expert_imbalance=round(imbalance, 4), sparse_collective_p50_s=quantile(0.5),
+                            sparse_collective_p99_s=quantile(0.99))

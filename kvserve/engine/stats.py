@@ -60,6 +60,22 @@ class PrefixSubtree:
 
 
 @dataclass(frozen=True)
+class ParallelCounters:
+    """Tensor / expert parallelism and mixture-of-experts load (zeros for a dense model on
+    one rank). ``expert_tokens``: rows routed to each expert since start, summed over the
+    sparse layers; ``expert_imbalance``: max / mean rows per expert in the last forward
+    (averaged over the sparse layers); the sparse layers' collectives (all-to-all dispatch and
+    combine, all-gather) per forward, p50 and p99 over the last forwards (up to 4,096 a layer)."""
+
+    tensor_parallel_size: int = 1
+    collective_seconds: float = 0.0       # rank 0's time inside collectives since start
+    expert_tokens: list[int] = field(default_factory=list)
+    expert_imbalance: float = 0.0
+    sparse_collective_p50_s: float = 0.0
+    sparse_collective_p99_s: float = 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     """One snapshot of the engine (and, from the engine process, of its loop)."""
 
@@ -82,6 +98,7 @@ class EngineStats:
     prefix_cache_subtrees: list[PrefixSubtree] = field(default_factory=list)
     speculation: SpeculationCounters = field(default_factory=SpeculationCounters)
     adapters: AdapterCounters = field(default_factory=AdapterCounters)
+    parallel: ParallelCounters = field(default_factory=ParallelCounters)
     # the measured step-time model t = a + b * tokens (0 until two step sizes were seen)
     step_time_fixed_s: float = 0.0        # a: seconds of a step whatever its size
     step_time_per_token_s: float = 0.0    # b: seconds per token in the step
@@ -110,4 +127,6 @@ class EngineStats:
                                            for t in values.get("prefix_cache_subtrees", [])]
         if isinstance(values.get("adapters"), dict):
             values["adapters"] = AdapterCounters(**values["adapters"])
+        if isinstance(values.get("parallel"), dict):
+            values["parallel"] = ParallelCounters(**values["parallel"])
         return cls(**values)

@@ -58,6 +58,7 @@ class Qwen2MoeSparseBlock(nn.Module):
             self.shared_expert_gate = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
         self.dispatcher = LocalDispatcher(moe.num_experts)
         self.expert_load: torch.Tensor | None = None
+        self.expert_tokens_total: torch.Tensor | None = None      # rows per expert since start
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, hidden] -> (topk_ids [T, k] int64, topk_weights [T, k] in x's dtype)."""
@@ -68,6 +69,8 @@ class Qwen2MoeSparseBlock(nn.Module):
         ids, weights = self.route(x)
         grouped = self.dispatcher.dispatch(x, ids, weights)
         self.expert_load = grouped.counts
+        self.expert_tokens_total = grouped.counts if self.expert_tokens_total is None \
+            else self.expert_tokens_total + grouped.counts
         out = self.dispatcher.combine(self.experts(grouped.hidden, grouped.counts.tolist()), grouped)
         if self.shared_expert is not None:
             out += torch.sigmoid(F.linear(x, self.shared_expert_gate)) * self.shared_expert(x)

@@ -65,6 +65,7 @@ class ExpertParallelBlock(nn.Module):
         self.dispatcher = LocalDispatcher(num_experts)
         self.expert_load: torch.Tensor | None = None              # global rows per expert, last forward
         self.load_history: list[torch.Tensor] = []                # per forward: ``expert_load`` (last 4,096)
+        self.expert_tokens_total: torch.Tensor | None = None      # global rows per expert since start
         self.comm_seconds: list[float] = []                       # per forward: its collectives' seconds
 
     def _slice(self, num_tokens: int, rank: int) -> tuple[int, int]:
@@ -78,6 +79,8 @@ class ExpertParallelBlock(nn.Module):
         ids, weights = topk_route(x, self.router, self.top_k, self.norm_topk_prob)    # all T tokens
         self.expert_load = torch.bincount(ids.reshape(-1), minlength=self.num_experts)
         self.load_history.append(self.expert_load)
+        self.expert_tokens_total = self.expert_load if self.expert_tokens_total is None \
+            else self.expert_tokens_total + self.expert_load
         del self.load_history[:-4096]
         per_source = torch.stack([torch.bincount(ids[slice(*self._slice(x.shape[0], s))].reshape(-1),
                                                  minlength=self.num_experts) for s in range(world)])

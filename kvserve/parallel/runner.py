@@ -11,7 +11,8 @@ import subprocess
 
 import torch
 
-from kvserve.engine.model_runner import ModelRunner
+from kvserve.engine.model_runner import ModelRunner, expert_counters
+from kvserve.engine.stats import ParallelCounters
 from kvserve.engine.step import ForwardWork
 
 logger = logging.getLogger("kvserve.parallel")
@@ -38,6 +39,13 @@ class TensorParallelRunner(ModelRunner):
         if copies:
             self.group.broadcast_object(("copy", copies))
         super().copy_blocks(copies)
+
+    def parallel_counters(self) -> ParallelCounters:
+        """The replica's ranks, rank 0's collective seconds, and (MoE) expert load and the
+        sparse layers' collective seconds per forward."""
+        blocks = list(self.model.expert_parallel_blocks().values())
+        return expert_counters(blocks, [s for b in blocks for s in b.comm_seconds], self.group.world_size,
+                               self.group.comm_seconds)
 
     @property
     def comm_seconds(self) -> float:

@@ -332,6 +332,8 @@ class ServerMetrics:
         self.lora = LoRAMetrics()
         self.lora_enabled = False                 # set once the engine's stats say LoRA is on
         self.disagg = DisaggMetrics()             # rendered with --disaggregate only
+        from kvserve.server.parallel_metrics import ParallelMetrics     # (it imports this module's types)
+        self.parallel = ParallelMetrics()         # rendered once the engine has ranks or experts
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
                      self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
@@ -371,14 +373,17 @@ class ServerMetrics:
             self.lora.update(stats.adapters, time.time())
         for tenant, tokens in stats.tenant_served_tokens.items():
             self.tenants.served.set_total(tokens, tenant=tenant)
+        self.parallel.update(stats.parallel)
 
     def all_metrics(self) -> list:
         """Every metric object ``render()`` may write (the LoRA ones included)."""
-        return self._all + self.lora.all + (self.disagg.all if self.disagg.enabled else [])
+        return (self._all + self.lora.all + (self.disagg.all if self.disagg.enabled else [])
+                + (self.parallel.all if self.parallel.enabled else []))
 
     def render(self) -> str:
         lines = []
-        extra = (self.lora.all if self.lora_enabled else []) + (self.disagg.all if self.disagg.enabled else [])
+        extra = ((self.lora.all if self.lora_enabled else []) + (self.disagg.all if self.disagg.enabled else [])
+                 + (self.parallel.all if self.parallel.enabled else []))
         for metric in self._all + extra:
             lines.append(f"# HELP {metric.name} {metric.help}")
             lines.append(f"# TYPE {metric.name} {metric.kind}")
