@@ -17,7 +17,7 @@ from kvserve.planner.disagg_kv import (breakeven_prompt_tokens, chunk_added_s, c
                                        kv_transfer_bytes, kv_transfer_s, stall_s, transfer_seconds,
                                        tpot_break_prompt_tokens)
 from kvserve.planner.errors import ImpossibleInputError, PlannerInputError
-from kvserve.planner.figures import Figure, fmt_seconds
+from kvserve.planner.figures import Figure, find_figure, fmt_seconds
 from kvserve.planner.fleet import request_service_s, ttft_p99, usd_per_million_tokens, usd_per_month
 from kvserve.planner.memory import ReplicaMemory, replica_memory, valid_tp_degrees, weight_bytes
 from kvserve.planner.plan import Plan, _json_number, make_plan
@@ -87,10 +87,7 @@ class DisaggPlan:
     notes: tuple[str, ...]
 
     def figure(self, name: str) -> Figure:
-        for f in self.figures:
-            if f.name == name:
-                return f
-        raise KeyError(name)
+        return find_figure(self.figures, name)
 
     def to_json(self) -> dict:
         """The unified plan's JSON with a ``disaggregation`` object (figures, arithmetic, per-TP rows)."""

@@ -2,11 +2,9 @@
 each with the arithmetic behind it."""
 from __future__ import annotations
 
-import textwrap
-
 from kvserve.planner.disagg import DisaggPlan
 from kvserve.planner.figures import Figure
-from kvserve.planner.report import WIDTH, format_value, render_table
+from kvserve.planner.report import format_value, render_sections, render_table
 
 DISAGG_SECTIONS = (
     ("Disaggregated: prefill instances", ("prefill_tp", "prefill_mean_ms", "prefill_utilisation",
@@ -32,16 +30,7 @@ def _format(f: Figure) -> str:
 def render_disagg_table(plan: DisaggPlan) -> str:
     """The unified table followed by one section per part of the disaggregated layout."""
     lines = [render_table(plan.unified)]
-    by_name = {f.name: f for f in plan.figures}
-    for title, names in DISAGG_SECTIONS:
-        rows = [by_name[n] for n in names if n in by_name]
-        if not rows:
-            continue
-        lines += ["", title, "-" * len(title)]
-        for f in rows:
-            lines.append(f"  {f.name:<40} {_format(f)}")
-            lines += textwrap.wrap(f.arithmetic, width=WIDTH, initial_indent="      = ",
-                                   subsequent_indent="        ")
+    lines += render_sections(plan.figures, DISAGG_SECTIONS, _format)
     lines += ["", "Disaggregated instances by TP", "-----------------------------",
               f"  {'TP':>3} {'prefill inst':>13} {'GPUs':>5} {'TTFT p99':>10}   {'decode inst':>12} {'batch':>6} "
               f"{'TPOT':>9} {'GPUs':>5}"]

@@ -62,3 +62,11 @@ def fmt_seconds(seconds: float) -> str:
     if abs(seconds) >= 1e-3:
         return f"{seconds * 1e3:.3g} ms"
     return f"{seconds * 1e6:.3g} us"
+
+
+def find_figure(figures, name: str) -> Figure:
+    """The figure called ``name`` among ``figures`` (KeyError if none)."""
+    for f in figures:
+        if f.name == name:
+            return f
+    raise KeyError(name)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.planner.candidates import (Candidate, PlanInputs, choose_tp, evaluate_tp, replica_cost_model)
 from kvserve.planner.errors import ImpossibleInputError, PlannerInputError
-from kvserve.planner.figures import Figure, fmt_rate, fmt_seconds
+from kvserve.planner.figures import Figure, find_figure, fmt_rate, fmt_seconds
 from kvserve.planner.fleet import usd_per_million_tokens, usd_per_month
 from kvserve.planner.hardware import validate_hardware
 from kvserve.planner.kv_memory import kv_bytes_per_token_per_gpu, model_kv_bytes_per_token
@@ -28,10 +28,7 @@ class Plan:
     notes: tuple[str, ...]
 
     def figure(self, name: str) -> Figure:
-        for f in self.figures:
-            if f.name == name:
-                return f
-        raise KeyError(name)
+        return find_figure(self.figures, name)
 
     def to_json(self) -> dict:
         """Machine-readable plan: figure values at the top level, their arithmetic alongside."""

@@ -35,10 +35,25 @@ def format_value(f: Figure) -> str:
     return f"{fmt_num(f.value)} {f.unit}"
 
 
+def render_sections(figures, sections, format_figure) -> list[str]:
+    """Lines of one titled section per ``(title, figure names)`` present in ``figures``: each
+    figure's value (``format_figure``) with its arithmetic wrapped under it."""
+    lines, by_name = [], {f.name: f for f in figures}
+    for title, names in sections:
+        rows = [by_name[n] for n in names if n in by_name]
+        if not rows:
+            continue
+        lines += ["", title, "-" * len(title)]
+        for f in rows:
+            lines.append(f"  {f.name:<40} {format_figure(f)}")
+            lines += textwrap.wrap(f.arithmetic, width=WIDTH, initial_indent="      = ",
+                                   subsequent_indent="        ")
+    return lines
+
+
 def render_table(plan: Plan) -> str:
     """The plan as text: a header, one section per concept, arithmetic under each figure."""
     inp = plan.inputs
-    width = WIDTH
     wd = inp.weight_dtype.name if inp.weight_dtype else "native"
     w = inp.workload
     load = (f"{w.rps:g} req/s (peak x{w.peak_to_mean:g}), prompt {w.prompt_tokens().text}, output "
@@ -46,16 +61,7 @@ def render_table(plan: Plan) -> str:
     lines = [f"kvserve plan: {inp.model.name} ({inp.model.attention_kind.upper()}) on {inp.hw.name}, "
              f"weights {wd}, KV {inp.kv_dtype.name}; {load}",
              f"  model numbers: {inp.model.source}", f"  hardware: {inp.hw.source or 'custom entry'}"]
-    by_name = {f.name: f for f in plan.figures}
-    for title, names in SECTIONS:
-        rows = [by_name[n] for n in names if n in by_name]
-        if not rows:
-            continue
-        lines += ["", title, "-" * len(title)]
-        for f in rows:
-            lines.append(f"  {f.name:<40} {format_value(f)}")
-            lines += textwrap.wrap(f.arithmetic, width=width, initial_indent="      = ",
-                                   subsequent_indent="        ")
+    lines += render_sections(plan.figures, SECTIONS, format_value)
     lines += ["", "Memory by TP degree", "-------------------",
               f"  {'TP':>3} {'weights/GPU':>12} {'reserve/GPU':>12} {'KV pool/GPU':>12} {'KV tokens':>12} "
               f"{'max seqs':>9} {'replicas':>9} {'GPUs':>5}"]
