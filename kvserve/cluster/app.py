@@ -39,12 +39,28 @@ def build_app(args: argparse.Namespace):
                                max_ongoing_requests=10_000)
     wait_s = getattr(args, "cold_start_wait_s", None) if scaling is not None else None
     target = fallback_target(args, model_path)
+    admission = ingress_admission(args, tenants, scaling)
     if target is None:
-        return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, None), assign_wait_s=wait_s)
+        return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, None), assign_wait_s=wait_s,
+                            **admission)
     # the fallback's router: least_loaded (the ingress tokenises with the fleet's tokenizer)
     fallback = _engine_deployment("fallback", args.fallback_replicas, "least_loaded", args)
     return ingress.bind(replica.bind(args), model_path, keys, ladder_settings(args, target),
-                        fallback=fallback.bind(fallback_args(args)), overflow=target, assign_wait_s=wait_s)
+                        fallback=fallback.bind(fallback_args(args)), overflow=target, assign_wait_s=wait_s,
+                        **admission)
+
+
+def ingress_admission(args: argparse.Namespace, tenants, scaling: AutoscaleSettings | None) -> dict:
+    """The ingress's admission arguments: the tenants file's limits with the replicas'
+    generation caps (``limits.py``), and the class-ordered queue's fleet slots (replicas, or
+    with autoscaling the most replicas, x ``--max-num-seqs``; none with ``--queue-wait-s 0``)
+    and wait bound (``admission.py``)."""
+    limits = {name: t.limits for name, t in tenants.tenants.items()} if tenants is not None else {}
+    caps = (getattr(args, "default_max_tokens", 2048) or None, getattr(args, "max_tokens_limit", None))
+    wait_s = getattr(args, "queue_wait_s", 60.0)
+    replicas = scaling.max_replicas if scaling is not None else args.replicas
+    slots = replicas * args.max_num_seqs if wait_s and wait_s > 0 else None
+    return {"tenant_limits": limits, "caps": caps, "fleet_slots": slots, "queue_wait_s": wait_s if slots else None}
 
 
 def autoscale_settings(args: argparse.Namespace, model_path: str) -> AutoscaleSettings | None:

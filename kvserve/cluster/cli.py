@@ -52,6 +52,10 @@ def register(subparsers) -> None:
     lad.add_argument("--fallback-model", default=None, metavar="PATH",
                      help="a smaller model for rung 4, overflow_chat: chat requests beyond the fleet's decode "
                           "slots go to it while the rung is engaged (none: the rung is skipped)")
+    lad.add_argument("--queue-wait-s", type=float, default=60.0,
+                     help="seconds a generation request may wait at the ingress for a fleet slot (replicas x "
+                          "--max-num-seqs), released interactive > chat > batch, before a 503 with Retry-After "
+                          "(default 60; 0: no ingress queue, Ray Serve's FIFO)")
     lad.add_argument("--fallback-replicas", type=int, default=1, help="replicas of the fallback model (default 1)")
     lad.add_argument("--fallback-kv-cache-gib", type=float, default=None,
                      help="each fallback replica's KV budget in GiB (default: --kv-cache-gib)")

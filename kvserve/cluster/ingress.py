@@ -2,8 +2,11 @@
 works out what the router needs — the prompt's token ids as the replica's engine will see
 them, the caller's prefix-cache salt (from its key, as the replica's auth derives it) and
 the session key (``prompt_cache_key``) — and forwards the request unchanged to the replica
-the router picks, streaming the answer back. The replica's front end does everything else
-(auth, limits, validation, errors, metrics).
+the router picks, streaming the answer back. Before routing, a generation request passes the
+tenants file's rate limits for the whole fleet (``limits.py``: 429 as the single server
+answers) and, when the fleet's slots are all taken, waits for one in class order
+(``admission.py``: 503 + Retry-After past the wait bound). The replica's front end does
+everything else (auth, its own limits as a backstop, validation, errors, metrics).
 
 Faults: a replica that fails before its first byte is retried once (the router then sees
 its death or avoids it); one that fails mid-stream ends an SSE stream with an error event
@@ -23,6 +26,7 @@ relabelled and summed, plus the ingress's series (``metrics.py``)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import dataclass
@@ -31,22 +35,58 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
+from kvserve.cluster.admission import ClassQueue, QueueTimeout
 from kvserve.cluster.assign_wait import NotRouted, first_item, not_routed_response
 from kvserve.cluster import serve_status
 from kvserve.cluster.breaker import ReplicaBreakers
 from kvserve.cluster.degrade import HEADER, DegradationController
 from kvserve.cluster.ladder import LadderSettings
+from kvserve.cluster.limits import FleetLimits, UsageTail
 from kvserve.cluster.metrics import ClusterMetrics
 from kvserve.cluster.overflow import SERVED_BY_HEADER, FallbackTarget, InFlight, for_fallback, overflows
 from kvserve.cluster.route_view import route_for, sse_error
+from kvserve.errors import KVServeError
+from kvserve.server.tenants import TenantLimits
 
 logger = logging.getLogger("kvserve.cluster")
 FAULT_STATUSES = frozenset({500, 502, 504})     # a replica's own failure (503 is a refusal: overload, draining)
 SCRAPE_TIMEOUT_S = 10.0                          # per replica, for /metrics scrapes and /ready probes
 
 
-def _nothing() -> None:
-    """A request this ingress does not count in flight."""
+def _json_or_none(body: bytes) -> dict | None:
+    """A body's JSON object (None when it is not one: the replica refuses it)."""
+    try:
+        values = json.loads(body)
+    except ValueError:
+        return None
+    return values if isinstance(values, dict) else None
+
+
+class _Ending:
+    """What ends with a request at the ingress, once however it ends: the fleet slot and
+    in-flight count it holds (``add``) and its tenant's rate-limit ticket, settled with the
+    answer's status and the usage at the end of its body (``limits.py``)."""
+
+    def __init__(self, limits: FleetLimits | None, ticket):
+        self.limits, self.ticket = limits, ticket
+        self.releases: list = []
+        self.status = 500               # the answer's, once its head is in
+        self.tail = UsageTail()
+        self.ended = False
+
+    def add(self, release) -> None:
+        """Run ``release`` (no arguments) when the request ends."""
+        self.releases.append(release)
+
+    def __call__(self, status: int | None = None) -> None:
+        """The request is over (``status``: its answer's, None: the relayed head's); once."""
+        if self.ended:
+            return
+        self.ended = True
+        for release in self.releases:
+            release()
+        if self.ticket is not None:
+            self.limits.settle(self.ticket, self.status if status is None else status, self.tail.data)
 
 
 @dataclass
@@ -63,10 +103,16 @@ class Ingress:
     """Ray Serve deployment: ``replicas`` is the handle on the ``EngineReplica`` deployment;
     ``fallback`` (with ``overflow``) the one on the fallback model's, if configured;
     ``assign_wait_s`` bounds a request's wait for a fleet replica (``assign_wait.py``; None:
-    unbounded, the fixed-size fleet's behaviour)."""
+    unbounded, the fixed-size fleet's behaviour); ``tenant_limits`` the tenants file's limits,
+    enforced here for the whole fleet with the replicas' server-wide ``caps``
+    (default_max_tokens, max_tokens_limit) (``limits.py``); ``fleet_slots`` (None: no queue
+    here, Ray Serve's FIFO) the fleet's decode slots, for which generation requests wait in
+    class order at most ``queue_wait_s`` (``admission.py``)."""
 
     def __init__(self, replicas, model_path: str, keys: dict, ladder: LadderSettings | None = None,
-                 fallback=None, overflow: FallbackTarget | None = None, assign_wait_s: float | None = None):
+                 fallback=None, overflow: FallbackTarget | None = None, assign_wait_s: float | None = None,
+                 tenant_limits: dict[str, TenantLimits] | None = None, caps: tuple = (2048, None),
+                 fleet_slots: int | None = None, queue_wait_s: float | None = None):
         from kvserve.tokenizer import Tokenizer
         from kvserve.cluster.ray_runtime import pin_replica_grpc_to_loopback
         pin_replica_grpc_to_loopback()
@@ -76,6 +122,9 @@ class Ingress:
         self.overflow = overflow if self.fallback is not None else None
         self.assign_wait_s = assign_wait_s
         self.in_flight = InFlight()                 # generation requests on the fleet (overflow's measure)
+        limits = FleetLimits(tenant_limits or {}, *caps)
+        self.limits = limits if limits.tenancy.limiter.has_limits else None     # fleet-wide (limits.py)
+        self.admission = ClassQueue(fleet_slots, queue_wait_s) if fleet_slots else None   # class order (admission.py)
         self.tokenizer = Tokenizer.load(model_path)
         self.keys = keys
         self.degradation = DegradationController(ladder) if ladder is not None else None
@@ -96,26 +145,57 @@ class Ingress:
         if self.degradation is not None and service_class is not None:
             body, refusal = self.degradation.apply(body, service_class, route["tenant"])
             if refusal is not None:
-                return self._refuse(refusal)
+                return self._stamp(self._refuse(refusal), route["tenant"])
+        ticket = None
+        if self.limits is not None and service_class is not None:    # the fleet-wide tenant limits (limits.py)
+            try:
+                ticket = self.limits.admit(route["tenant"], path, _json_or_none(body), len(route["tokens"]))
+            except KVServeError as err:
+                return self.limits.refusal(err, route["tenant"])
+        end = _Ending(self.limits, ticket)
+        try:
+            response = await self._dispatch(request, path, headers, body, route, service_class, model, end)
+        except BaseException:
+            end(500)
+            raise
+        return self._stamp(response, route["tenant"])
+
+    def _stamp(self, response: Response, tenant: str | None) -> Response:
+        """An answer the ingress made itself (a refusal) with the tenant's fleet-wide
+        ``x-ratelimit-*`` headers, as the single server puts on every answer; a relayed one
+        has them already (``FleetLimits.with_headers``)."""
+        if self.limits is not None and not isinstance(response, StreamingResponse):
+            for name, value in self.limits.headers(tenant).items():
+                response.headers[name] = value
+        return response
+
+    async def _dispatch(self, request: Request, path: str, headers: list, body: bytes, route: dict,
+                        service_class, model, end: "_Ending") -> Response:
+        """Pick the pool, wait for a fleet slot in class order (``admission.py``), forward,
+        and relay the answer; ``end`` runs once when the request is over."""
         pool = self._pool_for(service_class, model)
         if pool is self.fallback:
             body = for_fallback(body, self.overflow)
             self.metrics.overflowed.inc()
-        leave = self.in_flight.ticket() if pool is self.fleet and service_class is not None else _nothing
         started = time.monotonic()
-        try:
-            opened = await self._forward(pool, request.method, path, request.url.query, headers, body, route,
-                                         generation=service_class is not None)
-        except BaseException:
-            leave()
-            raise
+        if pool is self.fleet and service_class is not None:
+            if self.admission is not None:
+                try:
+                    end.add(await self.admission.acquire(service_class))
+                except QueueTimeout as exc:
+                    return self._queue_timeout(exc, service_class, time.monotonic() - started, end)
+            end.add(self.in_flight.ticket())
+        opened = await self._forward(pool, request.method, path, request.url.query, headers, body, route,
+                                     generation=service_class is not None)
         if isinstance(opened, Response):         # no replica took it: the request is over
-            leave()
+            end(opened.status_code)
             return opened
         stream, head = opened
         head_headers = {k: v for k, v in head["headers"] if k.lower() != "content-length"}
         head_headers["x-kvserve-replica"] = head.get("replica", "")
         head_headers[SERVED_BY_HEADER] = pool.name
+        if self.limits is not None:
+            head_headers = self.limits.with_headers(route["tenant"], head_headers)
         on_first = None
         if self.degradation is not None:
             head_headers[HEADER] = self.degradation.current().header
@@ -123,8 +203,18 @@ class Ingress:
                 def on_first():
                     self.degradation.record(service_class, head["status"], time.monotonic() - started)
         is_sse = head_headers.get("content-type", "").startswith("text/event-stream")
-        return StreamingResponse(self._relay(pool, stream, is_sse, head.get("replica", ""), on_first, leave),
-                                 status_code=head["status"], headers=head_headers, background=BackgroundTask(leave))
+        end.status = head["status"]
+        return StreamingResponse(self._relay(pool, stream, is_sse, head.get("replica", ""), on_first, end),
+                                 status_code=head["status"], headers=head_headers, background=BackgroundTask(end))
+
+    def _queue_timeout(self, exc: QueueTimeout, service_class, waited_s: float, end: "_Ending") -> Response:
+        """A request that found no fleet slot within ``--queue-wait-s``: 503 + Retry-After."""
+        end(503)
+        self.metrics.not_routed.inc()
+        if self.degradation is not None:
+            self.degradation.record(service_class, 503, waited_s)
+        error = {"message": str(exc), "type": "server_error", "param": None, "code": "fleet_busy"}
+        return JSONResponse({"error": error}, status_code=503, headers={"Retry-After": str(exc.retry_after_s)})
 
     async def _status(self, authorization: bytes | None) -> Response:
         """``GET /cluster/status``: Ray Serve's view of this application (``serve_status.py``);
@@ -207,14 +297,16 @@ class Ingress:
         return JSONResponse({"error": error}, status_code=503,
                             headers={"Retry-After": "5", HEADER: self.degradation.current().header})
 
-    async def _relay(self, pool: Pool, stream, is_sse: bool, replica: str, on_first=None, on_end=None):
-        """The replica's body chunks; ``on_first`` after the first, ``on_end`` once it ends
-        (however it ends)."""
+    async def _relay(self, pool: Pool, stream, is_sse: bool, replica: str, on_first=None, end=None):
+        """The replica's body chunks; ``on_first`` after the first; ``end`` (an ``_Ending``)
+        sees every chunk's end of the body and runs once it ends (however it ends)."""
         try:
             async for chunk in stream:
                 if on_first is not None:
                     on_first()
                     on_first = None
+                if end is not None:
+                    end.tail.add(chunk)
                 yield chunk
         except Exception as exc:
             logger.warning("replica %s failed mid-stream: %r", replica, exc)
@@ -224,8 +316,8 @@ class Ingress:
             else:
                 raise
         finally:
-            if on_end is not None:
-                on_end()
+            if end is not None:
+                end()
 
     async def _fetch(self, pool: Pool, path: str, query: str, headers: list,
                      pin: str | None) -> tuple[dict, bytes, dict]:
