@@ -6,6 +6,7 @@ import json
 import sys
 
 from kvserve.errors import KVServeError
+from kvserve.planner.errors import PlannerInputError
 
 PLAN_EPILOG = """examples:
   kvserve plan --model llama-3-70b --gpu h100-sxm --context 8192 --concurrency 32
@@ -51,6 +52,10 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     s.add_argument("--kv-link-gbs", type=float,
                    help="with --disaggregate: KV transfer link GB/s per rank (default: the interconnect, "
                         "50 GB/s across nodes)")
+    s.add_argument("--fleet", metavar="FILE",
+                   help="the fleet question: models and traffic in a JSON file (examples/fleet.json); prints "
+                        "each model's tier, replicas, cost and SLO attainment against --budget")
+    s.add_argument("--budget", type=float, help="with --fleet: $ per month (default: the file's budget_usd_month)")
     s.add_argument("--max-tp", type=int, default=64)
     s.add_argument("--max-num-seqs", type=int,
                    help="engine limit (default 256, or the profiled engine's for a profiled entry)")
@@ -134,6 +139,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     if getattr(args, "disaggregate", False):
         return _run_disagg_plan(args)
+    if getattr(args, "fleet", None):
+        return _run_fleet_plan(args)
     try:
         plan = make_plan(build_inputs(args))
     except KVServeError as exc:
@@ -144,6 +151,35 @@ def run_plan(args: argparse.Namespace) -> int:
         if not args.json:
             print("plots: " + ", ".join(paths), file=sys.stderr)
     print(json.dumps(plan.to_json(), indent=2) if args.json else render_table(plan))
+    return 0
+
+
+def _run_fleet_plan(args: argparse.Namespace) -> int:
+    """``kvserve plan --fleet FILE``: tiers, replicas and cost per model (table or JSON)."""
+    from kvserve.autoscale.fleet_plan import plan_fleet, question_from_json
+    from kvserve.planner.hardware import resolve_hardware
+    try:
+        with open(args.fleet, encoding="utf-8") as f:
+            raw = json.load(f)
+        plan = plan_fleet(question_from_json(raw, resolve_hardware(args.gpu, args.gpu_file, args.price_per_hour),
+                                             args.budget))
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return _fail(PlannerInputError(f"--fleet {args.fleet}: {exc}", param="fleet"), args.json)
+    except KVServeError as exc:
+        return _fail(exc, args.json)
+    if args.json:
+        print(json.dumps(plan.to_json(), indent=2))
+        return 0
+    print(f"kvserve plan --fleet: {len(plan.models)} models, ${plan.cost_usd_month:,.0f} a month of "
+          f"${plan.budget_usd_month:,.0f} ({'within' if plan.within_budget else 'OVER'} budget), "
+          f"{plan.slo_attainment:.4%} of requests within the TTFT SLO")
+    print(f"  {'model':<16} {'tier':<5} {'TP':>3} {'load':>7} {'peak repl.':>10} {'start s':>8} "
+          f"{'cold-start share':>17} {'$/month':>10}")
+    for m in plan.models:
+        print(f"  {m.name:<16} {m.tier.value:<5} {m.tp:>3} {m.load_mean:>7.3f} {m.replicas_peak:>10} "
+              f"{m.start_s:>8.1f} {m.cold_start_share:>17.3g} {m.cost_usd_month:>10,.0f}")
+    for note in plan.notes:
+        print(f"  - {note}")
     return 0
 
 
