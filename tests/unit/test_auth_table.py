@@ -18,7 +18,8 @@ TENANTS = {"admin_keys": ["admin-key"],
            "tenants": {"alice": {"keys": ["alice-key"], "limits": {"requests_per_min": 1000}},
                        "bob": {"keys": ["bob-key"]}}}
 PUBLIC = {"/health", "/ready", "/", "/console/{name}"}          # the console page and assets hold no data
-ADMIN = {"/admin/reset_prefix_cache", "/admin/drain", "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
+ADMIN = {"/admin/reset_prefix_cache", "/admin/drain", "/admin/load_weights", "/admin/sleep", "/admin/wake",
+         "/v1/load_lora_adapter", "/v1/unload_lora_adapter",
          "/metrics", "/v1/console/status", "/v1/console/events"}
 TENANT = {"/v1/completions", "/v1/chat/completions", "/v1/models", "/v1/models/{model_id:path}", "/tokenize",
           "/detokenize", "/tokenizer_info", "/openapi.json"}

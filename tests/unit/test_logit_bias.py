@@ -169,8 +169,8 @@ def test_valid_logit_bias_and_clone():
 
 
 def _fake_engine(vocab: int) -> SimpleNamespace:
-    return SimpleNamespace(limits=EngineLimits(max_model_len=1000, vocab_size=vocab, block_size=16, num_blocks=100,
-                                               kv_max_tokens=1600))
+    return SimpleNamespace(asleep=None, limits=EngineLimits(max_model_len=1000, vocab_size=vocab, block_size=16,
+                                                            num_blocks=100, kv_max_tokens=1600))
 
 
 def test_engine_checks_the_vocabulary_bound():
