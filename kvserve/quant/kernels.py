@@ -20,6 +20,16 @@ from kvserve.quant.formats import Int4Weight, Int8Weight
 
 COMPUTE_DTYPE = torch.bfloat16
 INT4_INNER_K_TILES = 8        # the int4 packing's K tiling (CPU and CUDA accept 2, 4, 8)
+INT4_K_TILE = 16              # CUDA's tinygemm layout: K must be a multiple of inner_k_tiles x 16
+
+
+def cuda_inner_k_tiles(in_features: int) -> int | None:
+    """The largest inner K tiling (8, 4, 2) CUDA's int4 packing accepts for ``in_features``
+    (it needs ``K % (tiles x 16) == 0``; SmolLM2's K = 576 takes 4); None when none does."""
+    for tiles in (8, 4, 2):
+        if in_features % (tiles * INT4_K_TILE) == 0:
+            return tiles
+    return None
 
 
 class Int8Kernel:
@@ -60,8 +70,11 @@ class Int4Kernel:
         self.out_features, self.in_features = weight.shape
         codes = weight.codes.to(device)
         if device.type == "cuda":
+            tiles = cuda_inner_k_tiles(self.in_features)
+            if tiles is None:
+                raise ValueError(f"int4 on CUDA needs in_features divisible by 32, got {self.in_features}")
             pairs = (codes[:, ::2] << 4 | codes[:, 1::2]).to(torch.uint8).contiguous()
-            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, INT4_INNER_K_TILES)
+            self.packed = torch.ops.aten._convert_weight_to_int4pack(pairs, tiles)
             self._mm = torch.ops.aten._weight_int4pack_mm
         else:
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(

@@ -115,3 +115,10 @@ def test_projection_with_a_kernel(scheme):
     out = torch.ones(4, 192)
     assert proj.accumulate_(out, x).equal(torch.ones(4, 192) + (kernel(x) + proj.bias))
     assert proj.pack() == scheme                              # packing leaves a kernel alone
+
+
+def test_cuda_int4_tiling_fits_the_in_features():
+    """CUDA's tinygemm packing needs K % (tiles x 16) == 0: SmolLM2's K = 576 takes 4 tiles (8
+    failed on an H200), 1536 takes 8, a K no group size divides takes none."""
+    from kvserve.quant.kernels import cuda_inner_k_tiles
+    assert [cuda_inner_k_tiles(k) for k in (576, 1536, 4096, 96, 80)] == [4, 8, 8, 2, None]
