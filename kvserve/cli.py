@@ -24,6 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     register_cluster(sub)
     from kvserve.coldstart.cli import register as register_coldstart
     register_coldstart(sub)
+    from kvserve.fleetsim.cli import register as register_simulate
+    register_simulate(sub)
     return parser
 
 

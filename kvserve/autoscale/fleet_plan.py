@@ -14,7 +14,10 @@ output lengths and the SLOs): one replica's prefill and decode tokens/s at the S
   and each such request waits a cold start (a TTFT SLO miss when the start is longer than it).
   Starts a month = requests x exp(-rps x W); each keeps a replica for start + W seconds.
 - GPU-hours a month: hot = max(1, load x headroom) replicas x TP x 730 h; warm / cold =
-  load x headroom x TP x 730 h + starts x (start + W) x TP / 3600. Cost = GPU-hours x price.
+  max(load x headroom, 1 - exp(-rps x W)) x TP x 730 h + starts x start x TP / 3600: a model
+  is down only in the part of each idle gap beyond W (a share exp(-rps x W) of the time with
+  Poisson arrivals), and while up it holds a whole replica however light its load (the fleet
+  simulator showed the earlier busy-time-only figure under-counting). Cost = GPU-hours x price.
 - Tiers: models whose mean load is at least ``hot_load`` replicas are ``hot`` (they are busy
   anyway); the others start ``warm`` while their weights fit the host cache (most requests
   first), else ``cold`` — the cheapest layout. Then models are promoted to ``hot`` in order of
@@ -147,10 +150,11 @@ def _price(q: FleetQuestion, s: _Sized, tier: ResidencyTier) -> ModelPlan:
     else:
         share = math.exp(-s.model.rps * q.scale_down_window_s)
         starts = s.model.rps * HOURS_PER_MONTH * 3600 * share
-        hours = busy_hours + starts * (start + q.scale_down_window_s) * s.tp / 3600
-        text = (f"{tier.value}: busy {s.load_mean:.3f} x {q.headroom:g} x TP {s.tp} x 730 h = {busy_hours:,.1f} h + "
-                f"starts {starts:,.0f} (exp(-{s.model.rps:g} x {q.scale_down_window_s:g}) = {share:.3g} of requests)"
-                f" x ({start:.1f} + {q.scale_down_window_s:g}) s")
+        up_hours = (1.0 - share) * s.tp * HOURS_PER_MONTH
+        hours = max(busy_hours, up_hours) + starts * start * s.tp / 3600
+        text = (f"{tier.value}: max(busy {s.load_mean:.3f} x {q.headroom:g} x TP {s.tp} x 730 h = {busy_hours:,.1f} h, "
+                f"up (1 - {share:.3g}) x TP {s.tp} x 730 h = {up_hours:,.1f} h) + starts {starts:,.0f} "
+                f"(exp(-{s.model.rps:g} x {q.scale_down_window_s:g}) = {share:.3g} of requests) x {start:.1f} s")
     missed = share if start > q.ttft_p99_s else 0.0
     return ModelPlan(s.model.name, tier, s.tp, s.load_mean, s.replicas_peak, start, share, hours,
                      hours * q.hw.price_per_hour, 1.0 - missed, s.weight_bytes, f"{text}; {s.capacity_text}")

@@ -1,0 +1,147 @@
+"""One model's deployment in the simulated fleet: its replicas (starting, serving, draining),
+the queue of requests that wait for a first replica, routing by kvserve's router, and the
+GPU-seconds it holds per residency tier.
+
+A request for a model with ready replicas goes where the router's policy
+(``router/policies.py``, ``least_loaded`` by default) sends it, from each replica's
+``ReplicaState``. With none ready it waits in the deployment's queue (as the cluster's
+``assign_wait`` does) and, if nothing is starting, a replica is started at once (scale from
+zero); a queued request older than ``max_queue_wait_s`` is answered 503 + Retry-After
+(rejected). A replica costs from the moment it is asked for (its GPUs are held while it
+starts) until it has drained.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.replica import BatchReplica
+from kvserve.fleetsim.sizing import ReplicaSizing, weights_in_host_memory
+from kvserve.router.policies import make_policy
+from kvserve.router.state import ReplicaState, RouteRequest
+
+_NO_TOKENS = RouteRequest(())
+
+
+class Deployment:
+    """One model's replicas and queue (the module docstring)."""
+
+    def __init__(self, index: int, sizing: ReplicaSizing, tier: ResidencyTier, log: RequestLog,
+                 replica_factory=BatchReplica, router: str = "least_loaded"):
+        self.index = index
+        self.sizing = sizing
+        self.tier = tier
+        self.log = log
+        self.factory = replica_factory
+        self.policy = make_policy(router)
+        self.ready: list = []
+        self.starting: dict[str, float] = {}          # name -> ready time
+        self.draining: list = []
+        self.queue: deque[int] = deque()
+        self.states: dict[str, ReplicaState] = {}
+        self.serial = 0
+        self.starts = 0
+        self.gpu_seconds: dict[str, float] = {t.value: 0.0 for t in ResidencyTier}
+        self.held_since = 0.0                          # last time the held count changed
+        self.retired_prompt_tokens = 0
+        self.retired_generation_tokens = 0
+        self.window_tokens = [0, 0]                    # prompt, output tokens arrived since the last retier
+
+    # -- accounting -----------------------------------------------------------------------------
+    @property
+    def held(self) -> int:
+        """Replicas holding GPUs: starting, serving or draining."""
+        return len(self.ready) + len(self.starting) + len(self.draining)
+
+    @property
+    def active(self) -> int:
+        """Replicas the autoscaler counts: serving or starting (draining ones are leaving)."""
+        return len(self.ready) + len(self.starting)
+
+    def account(self, now: float) -> None:
+        """Charge the GPUs held since the last change to the current tier."""
+        self.gpu_seconds[self.tier.value] += (now - self.held_since) * self.held * self.sizing.tp
+        self.held_since = now
+
+    # -- replicas -------------------------------------------------------------------------------
+    def start_replica(self, now: float) -> tuple[str, float]:
+        """Ask for a replica; (its name, when it serves) by the tier's cold-start layers."""
+        self.account(now)
+        self.serial += 1
+        name = f"{self.sizing.model}/{self.serial}"
+        ready_at = now + self.sizing.cold_start.start_s(weights_in_host_memory(self.tier))
+        self.starting[name] = ready_at
+        self.starts += 1
+        return name, ready_at
+
+    def replica_ready(self, name: str, now: float) -> list[tuple[object, float]]:
+        """A started replica serves: the queue drains into the fleet; (replica, next event) pairs."""
+        if self.starting.pop(name, None) is None:
+            return []                                    # cancelled while starting
+        replica = self.factory(name, self.sizing, self.log)
+        replica.owner = self.index
+        self.ready.append(replica)
+        self.states[name] = ReplicaState(name, max_num_seqs=self.sizing.max_num_seqs)
+        events = []
+        while self.queue:
+            events.append(self.route(self.queue.popleft(), now))
+        return [e for e in events if e[1] is not None]
+
+    def stop_replicas(self, count: int, now: float) -> None:
+        """Remove ``count`` replicas: starting ones first (newest), then the least busy serving ones."""
+        self.account(now)
+        for name in sorted(self.starting, key=self.starting.get, reverse=True)[:count]:
+            del self.starting[name]
+            count -= 1
+        for replica in sorted(self.ready, key=lambda r: (r.num_running + r.num_waiting, r.name))[:max(0, count)]:
+            self.ready.remove(replica)
+            del self.states[replica.name]
+            self.draining.append(replica)
+        self.release_drained(now)
+
+    def release_drained(self, now: float) -> None:
+        """Draining replicas with nothing left give their GPUs back."""
+        done = [r for r in self.draining if r.idle]
+        if done:
+            self.account(now)
+            for replica in done:
+                self.draining.remove(replica)
+                self.retired_prompt_tokens += replica.prompt_tokens_total
+                self.retired_generation_tokens += replica.generation_tokens_total
+
+    # -- requests -------------------------------------------------------------------------------
+    def arrive(self, request: int, now: float) -> tuple[object, float | None] | None:
+        """A new request: routed, or queued for a first replica (None)."""
+        self.window_tokens[0] += self.log.prompt[request]
+        self.window_tokens[1] += self.log.output[request]
+        if self.ready:
+            return self.route(request, now)
+        self.queue.append(request)
+        self.log.waited_for_start[request] = True
+        return None
+
+    def route(self, request: int, now: float) -> tuple[object, float | None]:
+        """Place ``request`` on a ready replica by the router's policy; (replica, its next event)."""
+        if len(self.ready) == 1:
+            replica = self.ready[0]
+        else:
+            for r in self.ready:
+                state = self.states[r.name]
+                state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
+            name = self.policy.choose(list(self.states.values()), _NO_TOKENS).replica
+            replica = next(r for r in self.ready if r.name == name)
+        return replica, replica.submit(request, now)
+
+    def expire_queue(self, now: float, max_wait_s: float) -> int:
+        """Reject queued requests that waited longer than ``max_wait_s``; how many."""
+        rejected = 0
+        while self.queue and now - self.log.arrival[self.queue[0]] > max_wait_s:
+            self.log.reject(self.queue.popleft(), now)
+            rejected += 1
+        return rejected
+
+    def counters(self) -> dict[str, tuple[int, int, int, int]]:
+        """Per serving / draining replica: (prompt tokens computed, output tokens, running, waiting)."""
+        return {r.name: (r.prompt_tokens_total, r.generation_tokens_total, r.num_running, r.num_waiting)
+                for r in self.ready + self.draining}

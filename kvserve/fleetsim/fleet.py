@@ -1,0 +1,168 @@
+"""The discrete-event loop: a day of requests through the deployments, the autoscalers and
+the residency tiers of one fleet policy.
+
+Events, in time order (ties by insertion): a request's arrival (routed or queued), a
+replica's segment end (``BatchReplica.complete``), a replica becoming ready, the autoscaler
+tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
+model's ``ModelScaler`` decides), and the re-tiering tick (every ``retier_interval_s``). No
+clock is read and every choice is ordered, so the same scenario gives the same result.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+
+from kvserve.autoscale.residency import RetierConfig, retier
+from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.deployment import Deployment
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.replica import BatchReplica
+from kvserve.fleetsim.scaling import POLICIES, ModelScaler, replicas_for_rate
+from kvserve.fleetsim.scenario import Scenario
+from kvserve.fleetsim.sizing import ReplicaSizing
+
+REPLICA, READY, TICK, RETIER = 0, 1, 2, 3
+TIMELINE_EVERY_S = 300.0
+
+
+class FleetSim:
+    """One policy over one scenario's requests; ``run()`` fills the log and returns the fleet's record."""
+
+    def __init__(self, scenario: Scenario, policy: str, sizings: list[ReplicaSizing], log: RequestLog,
+                 planned: dict[str, ResidencyTier], peak_rps: list[float], initial_rps: list[float],
+                 replica_factory=BatchReplica):
+        self.scenario, self.policy, self.log = scenario, POLICIES[policy], log
+        self.planned = planned
+        self.heap: list = []
+        self.order = itertools.count()
+        self.deployments, self.scalers = [], []
+        for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
+            tier = self._initial_tier(model.name)
+            dep = Deployment(i, sizing, tier, log, replica_factory)
+            wanted = self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i])
+            for _ in range(wanted):
+                name, _ready = dep.start_replica(0.0)
+                self._push(0.0, READY, i, name)
+            self.deployments.append(dep)
+            self.scalers.append(ModelScaler(self.policy, sizing, scenario.headroom, scenario.downscale_window_s,
+                                            scenario.max_replicas, wanted))
+        self.retier_config = RetierConfig(host_cache_bytes=scenario.host_cache_bytes)
+        self.timeline: list[tuple[float, dict[str, int]]] = []
+        self.rejected = 0
+
+    def _initial_tier(self, name: str) -> ResidencyTier:
+        if self.policy.tiers == "peak":
+            return ResidencyTier.HOT
+        if self.policy.tiers == "cold":
+            return ResidencyTier.COLD
+        return self.planned[name]
+
+    def _initial_replicas(self, tier, sizing, model, peak_rps: float, initial_rps: float) -> int:
+        """Always on: the peak's replicas; otherwise a hot model starts the day with what its first
+        minute needs (at least one), warm and cold ones with none."""
+        h = self.scenario.headroom
+        if self.policy.tiers == "peak":
+            return max(1, replicas_for_rate(peak_rps, sizing, model.prompt_tokens, model.output_tokens, h))
+        if tier is ResidencyTier.HOT:
+            return max(1, replicas_for_rate(initial_rps, sizing, model.prompt_tokens, model.output_tokens, h))
+        return 0
+
+    def _push(self, t: float, kind: int, a, b) -> None:
+        heapq.heappush(self.heap, (t, next(self.order), kind, a, b))
+
+    def _replica_event(self, replica, t: float | None) -> None:
+        if t is not None:
+            replica.version += 1
+            self._push(t, REPLICA, replica, replica.version)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        s = self.scenario
+        if self.policy.signal is not None:
+            self._push(s.autoscale_interval_s, TICK, None, None)
+        if self.policy.tiers == "planned":
+            self._push(s.retier_interval_s, RETIER, None, None)
+        arrival, model = self.log.arrival, self.log.model
+        heap, deps = self.heap, self.deployments
+        for request in range(len(arrival)):
+            t_next = arrival[request]
+            while heap and heap[0][0] <= t_next:
+                self._handle(heapq.heappop(heap))
+            routed = deps[model[request]].arrive(request, t_next)
+            if routed is None:
+                self._scale_from_zero(deps[model[request]], t_next)
+            else:
+                self._replica_event(*routed)
+        while heap:
+            self._handle(heapq.heappop(heap))
+        end = max(s.duration_s, max((self.log.finish_s[i] for i in range(len(arrival))), default=0.0))
+        for dep in deps:
+            dep.account(end)
+        return {"end_s": end, "timeline": self.timeline, "rejected": self.rejected}
+
+    def _handle(self, event) -> None:
+        t, _, kind, a, b = event
+        if kind == REPLICA:
+            if a.version == b:
+                self._replica_event(a, a.complete(t))
+                dep = self.deployments[a.owner]
+                if a.idle and dep.draining:
+                    dep.release_drained(t)
+        elif kind == READY:
+            dep = self.deployments[a]
+            for replica, nxt in dep.replica_ready(b, t):
+                self._replica_event(replica, nxt)
+        elif kind == TICK:
+            self._tick(t)
+        else:
+            self._retier(t)
+
+    def _scale_from_zero(self, dep: Deployment, now: float) -> None:
+        """A request for a model with no replica: start one now unless one is starting."""
+        if not dep.starting:
+            name, ready = dep.start_replica(now)
+            self._push(ready, READY, dep.index, name)
+
+    def _tick(self, now: float) -> None:
+        s = self.scenario
+        for dep, scaler in zip(self.deployments, self.scalers):
+            self.rejected += dep.expire_queue(now, s.max_queue_wait_s)
+            if not dep.held and not dep.queue and dep.tier is not ResidencyTier.HOT:
+                continue                       # nothing runs or waits: desired is 0 (bounds allow it)
+            want = scaler.decide(now, dep.tier, dep.active, dep.counters(), len(dep.queue))
+            if want > dep.active:
+                for _ in range(want - dep.active):
+                    name, ready = dep.start_replica(now)
+                    self._push(ready, READY, dep.index, name)
+            elif want < dep.active:
+                dep.stop_replicas(dep.active - want, now)
+        if math.fmod(now, TIMELINE_EVERY_S) < s.autoscale_interval_s:
+            self.timeline.append((now, self._gpus_by_tier()))
+        if now + s.autoscale_interval_s <= s.duration_s:
+            self._push(now + s.autoscale_interval_s, TICK, None, None)
+
+    def _gpus_by_tier(self) -> dict[str, int]:
+        gpus = {t.value: 0 for t in ResidencyTier}
+        for dep in self.deployments:
+            gpus[dep.tier.value] += dep.held * dep.sizing.tp
+        return gpus
+
+    def _retier(self, now: float) -> None:
+        s = self.scenario
+        names = [m.name for m in s.models]
+        load = {}
+        for name, dep in zip(names, self.deployments):
+            cap = dep.sizing.capacity
+            load[name] = (dep.window_tokens[0] / cap.prefill_tokens_per_s
+                          + dep.window_tokens[1] / cap.decode_tokens_per_s) / s.retier_interval_s
+            dep.window_tokens = [0, 0]
+        current = {name: dep.tier for name, dep in zip(names, self.deployments)}
+        tiers = retier(current, self.planned, load, {n: d.sizing.weight_bytes for n, d in zip(names, self.deployments)},
+                       self.retier_config)
+        for name, dep in zip(names, self.deployments):
+            if tiers[name] is not dep.tier:
+                dep.account(now)
+                dep.tier = tiers[name]
+        if now + s.retier_interval_s <= s.duration_s:
+            self._push(now + s.retier_interval_s, RETIER, None, None)

@@ -1,0 +1,81 @@
+"""The fleet policies the simulator compares, each built from kvserve's own autoscaling parts.
+
+- ``always_on``: every model keeps the replicas its peak needs all day (``ceil(peak load x
+  headroom)``, load from the planner's capacity at the SLO); no autoscaling.
+- ``scale_to_zero``: every model cold (may scale to zero), token-based autoscaling.
+- ``tiers_tokens``: residency tiers (planned by ``kvserve plan --fleet``, then re-tiered from
+  measured popularity with hysteresis, ``autoscale/residency.py``) and token-based autoscaling.
+- ``tiers_requests``: the same tiers and Ray Serve's request-count rule (``target_ongoing_requests``
+  = 80% of a replica's batch at the TPOT SLO).
+
+``ModelScaler`` holds one model's autoscaler: each interval it scrapes the replicas' counters
+(``autoscale/signals.FleetScrape``), computes the policy's desired count and stabilises it
+(``autoscale/policy``, ``autoscale/stabilize``) within the tier's bounds (``bounds_for_tier``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from kvserve.autoscale.policy import RequestCountPolicy, TokenPolicy
+from kvserve.autoscale.signals import FleetScrape, ReplicaCounters, ongoing_requests, token_demand
+from kvserve.autoscale.stabilize import ScaleState, StabilizerConfig
+from kvserve.autoscale.tiers import bounds_for_tier
+from kvserve.fleetsim.sizing import ReplicaSizing
+
+REQUEST_TARGET_SHARE = 0.8      # the request-count baseline's target: this share of a replica's batch
+
+
+@dataclass(frozen=True)
+class FleetPolicy:
+    """``signal``: "tokens", "requests" or None (fixed count); ``tiers``: "peak" (always on),
+    "cold" (everything may scale to zero) or "planned" (residency tiers)."""
+
+    name: str
+    signal: str | None
+    tiers: str
+
+
+POLICIES = {
+    "always_on": FleetPolicy("always_on", None, "peak"),
+    "scale_to_zero": FleetPolicy("scale_to_zero", "tokens", "cold"),
+    "tiers_requests": FleetPolicy("tiers_requests", "requests", "planned"),
+    "tiers_tokens": FleetPolicy("tiers_tokens", "tokens", "planned"),
+}
+
+
+def replicas_for_rate(rps: float, sizing: ReplicaSizing, prompt: float, output: float, headroom: float) -> int:
+    """``ceil((rps x prompt / C_p + rps x output / C_d) x headroom)``: replicas for a request rate."""
+    load = rps * prompt / sizing.capacity.prefill_tokens_per_s + rps * output / sizing.capacity.decode_tokens_per_s
+    return max(0, math.ceil(load * headroom - 1e-9))
+
+
+class ModelScaler:
+    """One model's autoscaler in the simulation (the module docstring)."""
+
+    def __init__(self, policy: FleetPolicy, sizing: ReplicaSizing, headroom: float, downscale_window_s: float,
+                 max_replicas: int, replicas: int):
+        stabilizer = StabilizerConfig(downscale_window_s=downscale_window_s)
+        self.signal = policy.signal
+        self.token_policy = TokenPolicy(sizing.capacity, headroom, stabilizer)
+        self.request_policy = RequestCountPolicy(max(1.0, REQUEST_TARGET_SHARE * sizing.max_num_seqs), stabilizer)
+        self.max_replicas = max_replicas
+        self.state = ScaleState(replicas)
+        self.scrape = FleetScrape(0.0)
+
+    def decide(self, now: float, tier, active: int, counters: dict, queued: int) -> int:
+        """The replica count for ``now`` from the replicas' counters (name -> (prompt tokens computed,
+        output tokens, running, waiting)) and ``queued`` requests waiting for a replica."""
+        scrape = FleetScrape(now, {name: ReplicaCounters(p, 0.0, g, run, wait)
+                                   for name, (p, g, run, wait) in counters.items()}, queued)
+        bounds = bounds_for_tier(tier, self.max_replicas)
+        state = replace(self.state, replicas=active)
+        if self.signal == "tokens":
+            demand = token_demand(self.scrape, scrape) if now > self.scrape.time_s else None
+            if demand is None:
+                return active
+            decision, self.state, _ = self.token_policy.decide(state, now, demand, bounds)
+        else:
+            decision, self.state, _ = self.request_policy.decide(state, now, ongoing_requests(scrape), bounds)
+        self.scrape = scrape
+        return decision.replicas

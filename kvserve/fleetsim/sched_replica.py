@@ -1,0 +1,97 @@
+"""A simulated replica that runs the engine's real scheduler, one step per event.
+
+``SchedulerReplica`` has ``BatchReplica``'s interface but every step is planned by
+:class:`~kvserve.engine.scheduler.Scheduler` over a real :class:`KVCacheManager` and
+:class:`BlockPool` (the replica's KV pool in blocks, no prefix cache), answered with a
+synthetic ``StepResult`` (one placeholder token per sampling sequence, ``ignore_eos``), as
+``planner/simulate.py`` does offline; the step's time is the roofline of its shape
+(``planner/simulate.step_work``). So token budget, ``max_num_seqs``, chunked prefill,
+admission order and recompute preemption are the engine's own. One event per step makes it
+~100x slower than the coalesced ``BatchReplica``: it is the reference for short traces
+(``kvserve simulate --replica scheduler``, and the test that holds the two together).
+"""
+from __future__ import annotations
+
+from kvserve.engine.kv.block_pool import BlockPool
+from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.request import EngineRequest
+from kvserve.engine.scheduler import Scheduler, SchedulerConfig
+from kvserve.engine.step import SampledToken, StepResult
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.sizing import ReplicaSizing
+from kvserve.planner.roofline import step_time
+from kvserve.planner.simulate import StepShape, step_work
+from kvserve.sampling.params import SamplingParams
+
+BLOCK_SIZE = 16
+_TOKEN = 1
+
+
+class SchedulerReplica:
+    """One simulated replica driven by the engine's scheduler (the module docstring)."""
+
+    def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog):
+        self.name = name
+        self.log = log
+        self.cost = sizing.cost
+        self.kv_tokens = sizing.kv_tokens
+        pool = BlockPool(max(1, sizing.kv_tokens // BLOCK_SIZE), BLOCK_SIZE)
+        self.sched = Scheduler(SchedulerConfig(sizing.max_num_seqs, sizing.max_batched_tokens),
+                               KVCacheManager(pool, prefix_cache=None), max_model_len=None)
+        self.plan = None                               # the step in flight
+        self.first_seen: set[int] = set()
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.version = 0
+        self.owner = -1
+
+    @property
+    def num_running(self) -> int:
+        return self.sched.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.sched.num_waiting
+
+    @property
+    def kv_usage(self) -> float:
+        kv = self.sched.kv
+        return 1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0
+
+    @property
+    def idle(self) -> bool:
+        return self.plan is None and not self.sched.has_unfinished()
+
+    def submit(self, request: int, now: float) -> float | None:
+        """Queue ``request`` with the scheduler; the next event's time if the replica was idle."""
+        params = SamplingParams(max_tokens=self.log.output[request], temperature=0, ignore_eos=True)
+        self.sched.add_request(EngineRequest(str(request), [_TOKEN] * self.log.prompt[request], params))
+        return self._step(now) if self.plan is None else None
+
+    def complete(self, now: float) -> float | None:
+        """The step in flight ends at ``now``: apply it and plan the next."""
+        plan, self.plan = self.plan, None
+        sampled = {s.seq_id: SampledToken(_TOKEN) for s in plan.scheduled if s.sample}
+        for update in self.sched.update(plan, StepResult(sampled=sampled)):
+            request = int(update.request_id)
+            self.generation_tokens_total += len(update.new_token_ids)
+            if update.new_token_ids and request not in self.first_seen:
+                self.first_seen.add(request)
+                self.log.first_token(request, now)
+            if update.finish_reason is not None:
+                self.first_seen.discard(request)
+                self.log.finish(request, now)
+        return self._step(now)
+
+    def _step(self, now: float) -> float | None:
+        if not self.sched.has_unfinished():
+            return None
+        plan = self.sched.schedule()
+        if plan.is_empty:
+            raise RuntimeError(f"{self.name}: the scheduler cannot make progress with {self.sched.kv.num_blocks} blocks")
+        self.plan = plan
+        shape = StepShape(tuple((s.start_position, s.num_tokens) for s in plan.scheduled),
+                          sum(s.sample for s in plan.scheduled))
+        self.prompt_tokens_total += sum(max(0, min(s.start_position + s.num_tokens, len(s.prompt_token_ids))
+                                            - s.start_position) for s in plan.scheduled)
+        return now + step_time(self.cost, step_work(shape, self.cost.hw.kv_read_mode, BLOCK_SIZE)).total_s
