@@ -95,3 +95,10 @@ def test_the_command_prints_each_policys_attainment_cost_and_p99(capsys):
         policy = out["policies"][name]
         assert 0 <= policy["slo_attainment"] <= 1 and policy["cost_usd_month"] > 0
         assert math.isfinite(policy["p99_ttft_s"])
+
+
+def test_the_example_scenario_file_runs(capsys):
+    from kvserve.cli import main
+    assert main(["simulate", "--scenario", "examples/fleet_scenario.json", "--policies", "tiers_tokens"]) == 0
+    out = capsys.readouterr().out
+    assert "example: 6 models on h100-sxm" in out and "tiers_tokens" in out
