@@ -11,8 +11,8 @@ class ReplicaState:
     """One replica as the router last heard of it (its engine's stats and health).
 
     ``kv_usage``: fraction of its KV blocks held by running sequences; ``queued_tokens``:
-    prompt tokens of its waiting requests (an upper bound: their cached prefixes are not
-    subtracted); ``max_num_seqs``: its decode slots (0: unknown); ``healthy``: False while
+    prompt tokens of its waiting requests past the prefix its cache held when each was sent
+    (``EngineClient._uncached_tokens``: the work still to do, not the prompt's length); ``max_num_seqs``: its decode slots (0: unknown); ``healthy``: False while
     it reports an unhealthy engine; ``breaker_open``: True while the runtime's circuit
     breaker for it is not closed (it failed requests; back once a probe succeeds). A replica
     that is unhealthy or whose breaker is open is never chosen (``routable``)."""

@@ -52,6 +52,7 @@ class TrackedRequest:
     tag: int
     num_prompt_tokens: int
     arrival: float
+    num_uncached_tokens: int = 0          # prompt tokens not in the prefix cache when it was sent (estimate)
     started: bool = False
     first_token_time: float | None = None
     last_token_time: dict[int, float] = field(default_factory=dict)   # per completion index
@@ -161,13 +162,31 @@ class EngineClient:
         if self.dead or self.info is None:
             raise ServiceUnavailableError("the engine is not running", code="engine_unavailable")
         request_id, num_prompt = request.request_id, len(request.prompt_token_ids)
-        tracked = TrackedRequest(request_id, sink, tag, num_prompt, arrival, adapter=request.adapter_id,
-                                 service_class=request.service_class)
+        tracked = TrackedRequest(request_id, sink, tag, num_prompt, arrival, self._uncached_tokens(request),
+                                 adapter=request.adapter_id, service_class=request.service_class)
         self.requests[request_id] = tracked
         self.processor.add_request(request_id, prompt_text, request.prompt_token_ids, request.params)
         self.metrics.prompt_tokens.inc(num_prompt)
         self._send(request)
         return tracked
+
+    def _uncached_tokens(self, request: EngineRequest) -> int:
+        """Prompt tokens past the longest prefix of full blocks the engine's cache holds now (by
+        its cache events; weight epoch 0, as the router hashes). A waiting request whose history is
+        cached is little work: counting its whole prompt as queued made the router move
+        conversations away from the replica that holds them."""
+        if not self.cached_blocks or not request.use_prefix_cache or self.info is None:
+            return len(request.prompt_token_ids)
+        from kvserve.engine.kv.cache_events import CacheNamespace
+        from kvserve.router.index import request_block_hashes
+        block_size = self.info.block_size
+        namespace = CacheNamespace(request.adapter_id, 0, request.cache_salt)
+        matched = 0
+        for block in request_block_hashes(request.prompt_token_ids, namespace, block_size):
+            if block not in self.cached_blocks:
+                break
+            matched += 1
+        return len(request.prompt_token_ids) - matched * block_size
 
     async def reset_prefix_cache(self, timeout_s: float = 30.0) -> int:
         """Admin: have the engine drop every prefix-cached block no running request uses;

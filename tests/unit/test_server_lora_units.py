@@ -294,3 +294,20 @@ def test_lora_metrics_appear_once_the_engine_has_lora():
     assert samples['kvserve_lora_requests_total{adapter="a"}'] == 1
     assert samples['kvserve_lora_generation_tokens_total{adapter="a"}'] == 7
     assert "# TYPE kvserve_lora_requests_info gauge" in m.render()
+
+
+def test_a_waiting_requests_queued_work_is_its_prompt_past_the_cached_prefix():
+    """The replica reports waiting requests' uncached prompt tokens to the router: a turn whose
+    history the cache holds (by its events) is little work, a cold prompt is all of it."""
+    from kvserve.engine.kv.cache_events import CacheNamespace
+    from kvserve.engine.request import EngineRequest
+    from kvserve.router.index import request_block_hashes
+    from kvserve.sampling.params import SamplingParams
+    client = _client()
+    history = list(range(100, 164))                                  # 4 blocks of 16
+    client.cached_blocks.update(request_block_hashes(history, CacheNamespace(), 16)[:3])
+    warm = EngineRequest("w", history + [7] * 10, SamplingParams(max_tokens=1))
+    cold = EngineRequest("c", [9] * 74, SamplingParams(max_tokens=1))
+    salted = EngineRequest("s", history + [7] * 10, SamplingParams(max_tokens=1), cache_salt="tenant-b")
+    assert client._uncached_tokens(warm) == 74 - 48
+    assert client._uncached_tokens(cold) == 74 and client._uncached_tokens(salted) == 74
