@@ -151,6 +151,7 @@ class Ingress:
             try:
                 ticket = self.limits.admit(route["tenant"], path, _json_or_none(body), len(route["tokens"]))
             except KVServeError as err:
+                self.metrics.limited.inc(tenant=route["tenant"] or "", status=str(err.http_status))
                 return self.limits.refusal(err, route["tenant"])
         end = _Ending(self.limits, ticket)
         try:
@@ -184,6 +185,7 @@ class Ingress:
                     end.add(await self.admission.acquire(service_class))
                 except QueueTimeout as exc:
                     return self._queue_timeout(exc, service_class, time.monotonic() - started, end)
+                self.metrics.queue_wait.observe(time.monotonic() - started, **{"class": service_class.value})
             end.add(self.in_flight.ticket())
         opened = await self._forward(pool, request.method, path, request.url.query, headers, body, route,
                                      generation=service_class is not None)
@@ -211,6 +213,7 @@ class Ingress:
         """A request that found no fleet slot within ``--queue-wait-s``: 503 + Retry-After."""
         end(503)
         self.metrics.not_routed.inc()
+        self.metrics.queue_timeouts.inc(**{"class": service_class.value})
         if self.degradation is not None:
             self.degradation.record(service_class, 503, waited_s)
         error = {"message": str(exc), "type": "server_error", "param": None, "code": "fleet_busy"}
@@ -354,6 +357,8 @@ class Ingress:
                     and result[0].get("replica") == replica:
                 scrapes[replica] = result[1].decode()
         self.metrics.update_breakers(*(pool.breakers for pool in self._pools()))
+        if self.admission is not None:
+            self.metrics.update_admission(self.admission)
         if self.degradation is not None:
             self.metrics.update_ladder(self.degradation)
         text = self.metrics.render(scrapes, list(decision.get("replicas", scrapes)))

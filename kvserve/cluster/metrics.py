@@ -131,8 +131,20 @@ class ClusterMetrics:
                               additive=False)
         self.overflowed = Counter("kvserve_degradation_overflowed_total",
                                   "Chat requests the overflow_chat rung sent to the fallback model.")
+        self.queue_waiting = Gauge("kvserve_ingress_queue_waiting",
+                                   "Generation requests waiting at the ingress for a fleet slot, by class.")
+        self.queue_in_flight = Gauge("kvserve_ingress_fleet_slots_in_use",
+                                     "Fleet slots (replicas x max_num_seqs) held by requests the ingress admitted.")
+        self.queue_wait = Histogram("kvserve_ingress_queue_wait_seconds",
+                                    "Time a generation request waited at the ingress for a fleet slot, by class.")
+        self.queue_timeouts = Counter("kvserve_ingress_queue_timeouts_total",
+                                      "Requests answered 503 + Retry-After after --queue-wait-s at the ingress, by class.")
+        self.limited = Counter("kvserve_ingress_rate_limited_total",
+                               "Requests the fleet-wide tenant limits refused at the ingress, by tenant and status "
+                               "(429: rate or token limit).")
         self.all = [self.decisions, self.cached_tokens, self.retries, self.not_routed, self.failures, self.breaker_state,
-                    self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed]
+                    self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed,
+                    self.queue_waiting, self.queue_in_flight, self.queue_wait, self.queue_timeouts, self.limited]
         self.additive = additive_families()
 
     def observe_decision(self, decision: dict | None, generation: bool) -> None:
@@ -152,6 +164,12 @@ class ClusterMetrics:
                 for one in BreakerState:
                     self.breaker_state.set(1 if one is state else 0, replica=replica, state=one.value)
                 self.breaker_opened.set_total(breakers.breakers[replica].times_opened, replica=replica)
+
+    def update_admission(self, queue) -> None:
+        """Mirror the ingress's class queue (``admission.ClassQueue``): waiting per class, slots in use."""
+        for name, count in queue.waiting_by_class().items():
+            self.queue_waiting.set(count, **{"class": name})
+        self.queue_in_flight.set(queue.num_in_flight)
 
     def update_rung(self, rung) -> None:
         """The degradation ladder's current rung (a ``ladder.Rung``)."""

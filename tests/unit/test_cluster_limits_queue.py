@@ -108,3 +108,34 @@ def test_the_ingress_gets_the_fleets_slots_and_the_tenants_limits_from_the_optio
     assert wired["tenant_limits"] == {"acme": TenantLimits(requests_per_min=7)}
     off = ingress_admission(_cluster_args("--queue-wait-s", "0"), None, None)
     assert off["fleet_slots"] is None and off["queue_wait_s"] is None and off["tenant_limits"] == {}
+
+
+def test_the_ingress_queue_is_on_the_clusters_metrics():
+    """``kvserve_ingress_queue_waiting{class}`` and the slots in use mirror the class queue;
+    timeouts, waits and the fleet-wide 429s have their own series (issue 16)."""
+    from kvserve.cluster.metrics import ClusterMetrics
+    from kvserve.server.metrics import parse_metrics, render_metrics
+
+    async def scenario():
+        queue, metrics = ClassQueue(slots=1, max_wait_s=None), ClusterMetrics()
+        release = await queue.acquire(C)
+        waiting = [asyncio.create_task(queue.acquire(B)), asyncio.create_task(queue.acquire(I))]
+        await _settle()
+        metrics.update_admission(queue)
+        samples = parse_metrics(render_metrics(metrics.all))
+        assert samples['kvserve_ingress_queue_waiting{class="batch"}'] == 1
+        assert samples['kvserve_ingress_queue_waiting{class="interactive"}'] == 1
+        assert samples['kvserve_ingress_queue_waiting{class="chat"}'] == 0
+        assert samples["kvserve_ingress_fleet_slots_in_use"] == 1
+        release()
+        await _settle()
+        for task in waiting:
+            task.cancel()
+        metrics.queue_timeouts.inc(**{"class": "batch"})
+        metrics.limited.inc(tenant="acme", status="429")
+        metrics.queue_wait.observe(0.25, **{"class": "chat"})
+        samples = parse_metrics(render_metrics(metrics.all))
+        assert samples['kvserve_ingress_queue_timeouts_total{class="batch"}'] == 1
+        assert samples['kvserve_ingress_rate_limited_total{status="429",tenant="acme"}'] == 1
+        assert samples['kvserve_ingress_queue_wait_seconds_count{class="chat"}'] == 1
+    asyncio.run(scenario())
