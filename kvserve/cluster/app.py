@@ -18,6 +18,7 @@ from kvserve.cluster.overflow import FallbackTarget
 from kvserve.cluster.autoscaling import AutoscaleSettings
 from kvserve.cluster.ray_autoscale import autoscaling_config
 from kvserve.cluster.replica import EngineReplica
+from kvserve.cluster.warm_tier import prepare_warm_tier
 from ray import serve  # noqa: E402  (after ray_runtime)
 from ray.serve.config import RequestRouterConfig  # noqa: E402
 
@@ -33,6 +34,10 @@ def build_app(args: argparse.Namespace):
     model_path = resolve_model_path(args.model)
     tenants = load_tenants(args.tenants) if getattr(args, "tenants", None) else None
     keys, _admin = server_keys(args, tenants)
+    warm = prepare_warm_tier(args)              # --tier warm: weights into the host cache before any replica
+    if warm is not None:
+        logger.info("warm tier: %s in the host weight cache %s (%s, %.2f s)", warm["model"], warm["root"],
+                    "already there" if warm["already_cached"] else "filled", warm["seconds"])
     scaling = autoscale_settings(args, model_path)
     replica = _engine_deployment("engine", args.replicas, args.router, args, scaling)
     ingress = serve.deployment(Ingress, name="ingress", ray_actor_options={"num_cpus": 0},

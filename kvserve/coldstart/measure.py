@@ -25,6 +25,7 @@ import subprocess
 import sys
 import time
 
+from kvserve.coldstart.layers import split_layers
 from kvserve.coldstart.weight_cache import DEFAULT_ROOT
 
 
@@ -55,9 +56,8 @@ def layers(raw: dict, spawned: float) -> dict:
     build_started = max(raw["go"], raw["imported"])
     runtime = build_started - spawned if raw["go"] == raw["imported"] else raw["go"] - spawned
     first_excess = max(0.0, raw["first_request_s"] - raw["steady_request_s"])
-    out = {"runtime_s": runtime,
-           "weights_s": t.get("checkpoint_s", 0.0) + t.get("weights_s", 0.0),
-           "warmup_s": t.get("bandwidth_s", 0.0) + t.get("kv_cache_s", 0.0) + t.get("warmup_s", 0.0) + first_excess,
+    split = split_layers(t)
+    out = {"runtime_s": runtime, "weights_s": split["weights_s"], "warmup_s": split["warmup_s"] + first_excess,
            "to_first_token_s": raw["built"] - spawned + raw["first_request_s"],
            "detail": {**{k: v for k, v in t.items()}, "first_request_s": raw["first_request_s"],
                       "steady_request_s": raw["steady_request_s"], "first_request_excess_s": first_excess}}

@@ -60,6 +60,7 @@ class EngineReady:
     pid: int
     adapters: list[dict] = field(default_factory=list)    # EngineCore.list_adapters() at start
     kv_layout: dict = field(default_factory=dict)          # KV block shape (engine_proc.kv_layout); {} if none
+    start_timings: dict = field(default_factory=dict)      # EngineCore.start_timings: start-up phase -> seconds
 
 
 @dataclass

@@ -266,7 +266,7 @@ def serve(sock: socket.socket, make_loop=EngineLoop, extra_keys: tuple[str, ...]
         num_blocks=engine.kv.num_blocks, block_size=engine.config.block_size,
         kv_max_tokens=engine.kv_plan.max_tokens, eos_token_ids=sorted(engine.model_config.eos_token_ids),
         kv_explanation=engine.kv_plan.explanation, pid=os.getpid(), adapters=engine.list_adapters(),
-        kv_layout=kv_layout(engine)))
+        kv_layout=kv_layout(engine), start_timings=dict(engine.start_timings)))
     try:
         loop.run()
     except (EOFError, BrokenPipeError, ConnectionResetError):

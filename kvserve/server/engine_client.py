@@ -101,6 +101,7 @@ class EngineClient:
     # ------------------------------------------------------------- lifecycle
     async def start(self, timeout_s: float = 600.0) -> codec.EngineReady:
         """Spawn the engine process and wait until its model is loaded."""
+        spawned = time.monotonic()
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.process = subprocess.Popen(
@@ -111,6 +112,7 @@ class EngineClient:
         self._send(codec.InitEngine(self.engine_config))
         info = await asyncio.wait_for(self._read_ready(reader), timeout_s)
         self._set_adapters(info.adapters)
+        self.metrics.record_start(info.start_timings, time.monotonic() - spawned)
         self.info = info
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         return self.info

@@ -327,6 +327,11 @@ class ServerMetrics:
         self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
+        self.cold_start = g("kvserve_cold_start_seconds", "This replica's start by layer: runtime (engine process "
+                            "start, imports, model build), weights (checkpoint or host-cache read, onto the "
+                            "device), warmup (bandwidth probe, KV allocation, warm-up pass).", additive=False)
+        self.start_phase = g("kvserve_start_phase_seconds", "The engine's start-up phases (EngineCore.start_timings).",
+                             additive=False)
         self.classes = ClassMetrics()
         self.tenants = TenantMetrics()
         self.lora = LoRAMetrics()
@@ -340,7 +345,15 @@ class ServerMetrics:
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
                      self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
-                     self.rejected, *self.classes.all, *self.tenants.all]
+                     self.rejected, self.cold_start, self.start_phase, *self.classes.all, *self.tenants.all]
+
+    def record_start(self, phases: dict, process_s: float) -> None:
+        """The engine process's start (spawn to ready, seconds) and its phases, once at start."""
+        from kvserve.coldstart.layers import split_layers
+        for layer, seconds in split_layers(phases, process_s).items():
+            self.cold_start.set(round(seconds, 4), layer=layer.removesuffix("_s"))
+        for phase, seconds in phases.items():
+            self.start_phase.set(round(seconds, 4), phase=phase.removesuffix("_s"))
 
     def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""
