@@ -1,6 +1,6 @@
 """Tier 2: the simulator reproduces the real engine on this machine on a short trace.
 
-The machine is profiled (``kvserve profile --quick --threads 1``, ~50 s), the default model's
+The machine is profiled (``kvserve profile --quick --threads 1 --repeats 1``, ~25 s), the default model's
 engine (one thread) plays a 40-request Poisson trace in real time, and the simulator plays the
 same requests with the profile's step times. The issue's bar is 20%; measured here 17% / 3% and
 11% / 9% off on TTFT p50 / p99 in two runs (benchmarks/fleet_sim_validation.json). The test allows 35% so that a busy CI
@@ -21,7 +21,7 @@ def test_simulated_ttft_follows_the_engine_on_the_same_trace(tmp_path):
     from kvserve.planner.profile import model_from_engine
     from kvserve.planner.roofline import cost_model
     path = str(tmp_path / "local.json")
-    assert planner_main(["profile", "--quick", "--threads", "1", "--out", path]) == 0
+    assert planner_main(["profile", "--quick", "--threads", "1", "--repeats", "1", "--out", path]) == 0
     hw = load_hardware_file(path)
     llm = LLM(num_threads=1)
     dtype = hw.calibration["weight_dtype"]              # the dtype the profiled engine ran (bf16 or fp32)
