@@ -141,7 +141,8 @@ class Deployment:
             rejected += 1
         return rejected
 
-    def counters(self) -> dict[str, tuple[int, int, int, int]]:
-        """Per serving / draining replica: (prompt tokens computed, output tokens, running, waiting)."""
-        return {r.name: (r.prompt_tokens_total, r.generation_tokens_total, r.num_running, r.num_waiting)
-                for r in self.ready + self.draining}
+    def counters(self, now: float) -> dict[str, tuple[int, int, int, int, float]]:
+        """Per serving / draining replica: (prompt tokens computed, output tokens, running, waiting,
+        request-seconds held so far)."""
+        return {r.name: (r.prompt_tokens_total, r.generation_tokens_total, r.num_running, r.num_waiting,
+                         r.held.total(now)) for r in self.ready + self.draining}

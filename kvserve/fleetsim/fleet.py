@@ -130,7 +130,7 @@ class FleetSim:
             self.rejected += dep.expire_queue(now, s.max_queue_wait_s)
             if not dep.held and not dep.queue and dep.tier is not ResidencyTier.HOT:
                 continue                       # nothing runs or waits: desired is 0 (bounds allow it)
-            want = scaler.decide(now, dep.tier, dep.active, dep.counters(), len(dep.queue))
+            want = scaler.decide(now, dep.tier, dep.active, dep.counters(now), len(dep.queue))
             if want > dep.active:
                 for _ in range(want - dep.active):
                     name, ready = dep.start_replica(now)

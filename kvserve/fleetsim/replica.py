@@ -54,6 +54,7 @@ class BatchReplica:
         self.generation_tokens_total = 0
         self.version = 0                               # bumped by the fleet loop when the next event moves
         self.owner = -1                                # the deployment's index (set by the fleet)
+        self.held = HeldRequests()
 
     # -- what the router and the autoscaler read --------------------------------------------------
     @property
@@ -78,6 +79,7 @@ class BatchReplica:
         idle, or a decode run is cut for the admission), else None."""
         self.waiting.append(request)
         self.waiting_tokens += self.log.prompt[request]
+        self.held.update(now, self.num_running + self.num_waiting)
         if self.segment is None:
             return self._plan(now)
         if self.segment[0] == "run" and self._can_admit():
@@ -96,6 +98,7 @@ class BatchReplica:
         else:
             self._apply_step(self.segment[2], now)
         self.segment = None
+        self.held.update(now, self.num_running + self.num_waiting)
         return self._plan(now)
 
     # -- planning ---------------------------------------------------------------------------------
@@ -187,3 +190,24 @@ class BatchReplica:
             else:
                 heapq.heappush(self.finishes, (self.steps + output - 1, request))
 
+
+
+class HeldRequests:
+    """The integral over time of the requests a replica holds (running + waiting), for Ray
+    Serve's request-count signal, which averages ongoing requests over a look-back window
+    rather than reading one instant. ``update`` right after each change of the count."""
+
+    def __init__(self):
+        self.seconds = 0.0                 # request-seconds held so far
+        self.since: float | None = None
+        self.count = 0
+
+    def update(self, now: float, count: int) -> None:
+        """The count held from ``now`` on (the previous one was held since the last update)."""
+        if self.since is not None:
+            self.seconds += self.count * (now - self.since)
+        self.since, self.count = now, count
+
+    def total(self, now: float) -> float:
+        """Request-seconds held up to ``now``."""
+        return self.seconds + (self.count * (now - self.since) if self.since is not None else 0.0)

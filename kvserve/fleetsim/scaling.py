@@ -6,7 +6,8 @@
 - ``tiers_tokens``: residency tiers (planned by ``kvserve plan --fleet``, then re-tiered from
   measured popularity with hysteresis, ``autoscale/residency.py``) and token-based autoscaling.
 - ``tiers_requests``: the same tiers and Ray Serve's request-count rule (``target_ongoing_requests``
-  = 80% of a replica's batch at the TPOT SLO).
+  = 80% of a replica's batch at the TPOT SLO), on the ongoing requests averaged over the interval
+  (Ray Serve averages over a look-back window; one instant between requests reads 0).
 
 ``ModelScaler`` holds one model's autoscaler: each interval it scrapes the replicas' counters
 (``autoscale/signals.FleetScrape``), computes the policy's desired count and stabilises it
@@ -18,7 +19,7 @@ import math
 from dataclasses import dataclass, replace
 
 from kvserve.autoscale.policy import RequestCountPolicy, TokenPolicy
-from kvserve.autoscale.signals import FleetScrape, ReplicaCounters, ongoing_requests, token_demand
+from kvserve.autoscale.signals import FleetScrape, ReplicaCounters, token_demand
 from kvserve.autoscale.stabilize import ScaleState, StabilizerConfig
 from kvserve.autoscale.tiers import bounds_for_tier
 from kvserve.fleetsim.sizing import ReplicaSizing
@@ -62,12 +63,13 @@ class ModelScaler:
         self.max_replicas = max_replicas
         self.state = ScaleState(replicas)
         self.scrape = FleetScrape(0.0)
+        self.held: dict[str, float] = {}            # replica -> request-seconds held at the last decision
 
     def decide(self, now: float, tier, active: int, counters: dict, queued: int) -> int:
         """The replica count for ``now`` from the replicas' counters (name -> (prompt tokens computed,
-        output tokens, running, waiting)) and ``queued`` requests waiting for a replica."""
+        output tokens, running, waiting, request-seconds held)) and ``queued`` requests waiting for a replica."""
         scrape = FleetScrape(now, {name: ReplicaCounters(p, 0.0, g, run, wait)
-                                   for name, (p, g, run, wait) in counters.items()}, queued)
+                                   for name, (p, g, run, wait, _) in counters.items()}, queued)
         bounds = bounds_for_tier(tier, self.max_replicas)
         state = replace(self.state, replicas=active)
         if self.signal == "tokens":
@@ -76,6 +78,15 @@ class ModelScaler:
                 return active
             decision, self.state, _ = self.token_policy.decide(state, now, demand, bounds)
         else:
-            decision, self.state, _ = self.request_policy.decide(state, now, ongoing_requests(scrape), bounds)
+            decision, self.state, _ = self.request_policy.decide(state, now, self._mean_ongoing(now, counters, queued),
+                                                                 bounds)
         self.scrape = scrape
         return decision.replicas
+
+    def _mean_ongoing(self, now: float, counters: dict, queued: int) -> float:
+        """Requests held per second since the last decision, summed over replicas, plus the queue."""
+        window = now - self.scrape.time_s
+        held = {name: c[4] for name, c in counters.items()}
+        mean = sum(h - self.held.get(name, 0.0) for name, h in held.items()) / window if window > 0 else 0.0
+        self.held = held
+        return max(0.0, mean) + queued

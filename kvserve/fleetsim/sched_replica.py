@@ -18,6 +18,7 @@ from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.step import SampledToken, StepResult
 from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.replica import HeldRequests
 from kvserve.fleetsim.sizing import ReplicaSizing
 from kvserve.planner.roofline import step_time
 from kvserve.planner.simulate import StepShape, step_work
@@ -44,6 +45,7 @@ class SchedulerReplica:
         self.generation_tokens_total = 0
         self.version = 0
         self.owner = -1
+        self.held = HeldRequests()
 
     @property
     def num_running(self) -> int:
@@ -66,6 +68,7 @@ class SchedulerReplica:
         """Queue ``request`` with the scheduler; the next event's time if the replica was idle."""
         params = SamplingParams(max_tokens=self.log.output[request], temperature=0, ignore_eos=True)
         self.sched.add_request(EngineRequest(str(request), [_TOKEN] * self.log.prompt[request], params))
+        self.held.update(now, self.num_running + self.num_waiting)
         return self._step(now) if self.plan is None else None
 
     def complete(self, now: float) -> float | None:
@@ -81,6 +84,7 @@ class SchedulerReplica:
             if update.finish_reason is not None:
                 self.first_seen.discard(request)
                 self.log.finish(request, now)
+        self.held.update(now, self.num_running + self.num_waiting)
         return self._step(now)
 
     def _step(self, now: float) -> float | None:
