@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-from kvserve.autoscale.capacity import replica_capacity
+from kvserve.autoscale.capacity import capacity_from_candidate
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.planner.candidates import PlanInputs
 from kvserve.planner.dtypes import kv_dtype, weight_dtype
@@ -132,8 +132,8 @@ def _size(q: FleetQuestion, m: FleetModel) -> _Sized:
                         tpot_s=q.tpot_s, headroom=q.headroom - 1.0)
     inp = PlanInputs(spec, q.hw, weight_dtype("bf16"), kv_dtype("bf16"), workload)
     from kvserve.planner.plan import make_plan
-    tp = make_plan(inp).chosen.tp
-    cap = replica_capacity(inp)
+    chosen = make_plan(inp).chosen
+    tp, cap = chosen.tp, capacity_from_candidate(inp, chosen)
     load = m.rps * m.prompt_tokens / cap.prefill_tokens_per_s + m.rps * m.output_tokens / cap.decode_tokens_per_s
     peak = math.ceil(load * m.peak_to_mean * q.headroom)
     return _Sized(m, tp, load, max(1, peak), weight_bytes(spec, weight_dtype("bf16")).value, cap.arithmetic)

@@ -122,8 +122,7 @@ class Ingress:
         self.overflow = overflow if self.fallback is not None else None
         self.assign_wait_s = assign_wait_s
         self.in_flight = InFlight()                 # generation requests on the fleet (overflow's measure)
-        limits = FleetLimits(tenant_limits or {}, *caps)
-        self.limits = limits if limits.tenancy.limiter.has_limits else None     # fleet-wide (limits.py)
+        self.limits = FleetLimits.enforced(tenant_limits or {}, *caps)      # fleet-wide (limits.py); None: no limits
         self.admission = ClassQueue(fleet_slots, queue_wait_s) if fleet_slots else None   # class order (admission.py)
         self.tokenizer = Tokenizer.load(model_path)
         self.keys = keys

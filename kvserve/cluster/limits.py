@@ -54,12 +54,18 @@ class FleetLimits:
         self.max_tokens_limit = max_tokens_limit
 
     @classmethod
+    def enforced(cls, limits: dict[str, TenantLimits], default_max_tokens: int | None = 2048,
+                 max_tokens_limit: int | None = None) -> "FleetLimits | None":
+        """The fleet's limits for ``limits`` (tenant -> its limits); None when they limit nobody."""
+        fleet = cls(limits, default_max_tokens, max_tokens_limit)
+        return fleet if fleet.tenancy.limiter.has_limits else None
+
+    @classmethod
     def from_config(cls, config: TenantsConfig | None, default_max_tokens: int | None = 2048,
                     max_tokens_limit: int | None = None) -> "FleetLimits | None":
         """The limits of a tenants file; None when it limits nobody (nothing to enforce)."""
         limits = {name: t.limits for name, t in (config.tenants if config is not None else {}).items()}
-        fleet = cls(limits, default_max_tokens, max_tokens_limit)
-        return fleet if fleet.tenancy.limiter.has_limits else None
+        return cls.enforced(limits, default_max_tokens, max_tokens_limit)
 
     def admit(self, tenant: str | None, path: str, values: dict | None, num_prompt_tokens: int) -> Ticket:
         """Admit one generation request (``values``: its JSON body, None when it did not parse)
@@ -95,10 +101,6 @@ class FleetLimits:
             found = _TOTAL_TOKENS.findall(tail)
             used = int(found[-1]) if found else ticket.num_reserved_tokens
         self.tenancy.limiter.settle(ticket, used)
-
-    def release(self, ticket: Ticket) -> None:
-        """The request never reached a replica: give everything back."""
-        self.tenancy.limiter.settle(ticket)
 
     def headers(self, tenant: str | None) -> dict[str, str]:
         """The fleet's ``x-ratelimit-*`` headers for ``tenant`` (empty when unlimited)."""

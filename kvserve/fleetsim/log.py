@@ -25,6 +25,10 @@ class RequestLog:
         self.status = [PENDING] * n
         self.waited_for_start = [False] * n
 
+    def fresh(self) -> "RequestLog":
+        """The same requests with nothing happened yet (one per simulated policy or engine run)."""
+        return RequestLog(self.arrival, self.model, self.klass, self.prompt, self.output)
+
     def __len__(self) -> int:
         return len(self.arrival)
 

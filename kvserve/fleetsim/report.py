@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kvserve.autoscale.fleet_plan import HOURS_PER_MONTH
 from kvserve.fleetsim.log import DONE, REJECTED
 from kvserve.fleetsim.scenario import CLASSES, HOUR, Scenario
 
-HOURS_PER_MONTH = 730.0
 
 
 def _pct(values: np.ndarray, q: float) -> float | None:

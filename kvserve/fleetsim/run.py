@@ -75,9 +75,10 @@ def run_policy(scenario: Scenario, prepared: Prepared, policy: str, replica_fact
 def simulate(scenario: Scenario, policies: tuple[str, ...] | None = None) -> tuple[dict, dict]:
     """Every policy of the scenario: (the JSON-ready result, each policy's log arrays for plots)."""
     prepared = prepare(scenario)
+    requests = draw_requests(scenario)
     results, arrays = {}, {}
     for policy in policies or scenario.policies:
-        results[policy], arrays[policy], _ = run_policy(scenario, prepared, policy)
+        results[policy], arrays[policy], _ = run_policy(scenario, prepared, policy, log=requests.fresh())
     out = {"scenario": scenario.name, "gpu": prepared.hw.name, "price_per_gpu_hour": prepared.hw.price_per_hour,
            "budget_usd_month": scenario.budget_usd_month, "ttft_slo_s": scenario.ttft_slo_s,
            "models": len(scenario.models), "peak_users": scenario.peak_users, "seed": scenario.seed,

@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvserve.autoscale.capacity import ReplicaCapacity, capacity_from_candidate
+from kvserve.autoscale.fleet_plan import FleetQuestion
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.planner.candidates import PlanInputs, PlanOptions
 from kvserve.planner.dtypes import kv_dtype, weight_dtype
@@ -53,12 +54,12 @@ class ReplicaSizing:
 
 @dataclass(frozen=True)
 class StartConstants:
-    """The fleet plan's cold-start constants (``FleetQuestion`` defaults)."""
+    """The fleet plan's cold-start constants (``FleetQuestion``'s defaults)."""
 
-    runtime_s: float = 10.0
-    storage_bytes_per_s: float = 2e9
-    host_to_device_bytes_per_s: float = 25e9
-    warmup_s: float = 5.0
+    runtime_s: float = FleetQuestion.runtime_s
+    storage_bytes_per_s: float = FleetQuestion.storage_bytes_per_s
+    host_to_device_bytes_per_s: float = FleetQuestion.host_to_device_bytes_per_s
+    warmup_s: float = FleetQuestion.warmup_s
 
 
 def size_replica(name: str, preset_name: str, hw, rps: float, prompt_tokens: float, output_tokens: float,

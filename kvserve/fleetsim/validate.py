@@ -37,7 +37,7 @@ def run_engine_trace(llm, trace: RequestLog, vocab_size: int, seed: int = 0) -> 
     from kvserve.engine.request import EngineRequest
     from kvserve.sampling.params import SamplingParams
     rng = np.random.default_rng(seed)
-    log = RequestLog(trace.arrival, trace.model, trace.klass, trace.prompt, trace.output)
+    log = trace.fresh()
     engine, pending, start = llm.engine, 0, time.perf_counter()
     while pending < len(log) or engine.has_unfinished():
         now = time.perf_counter() - start
@@ -65,7 +65,7 @@ def simulate_trace(trace: RequestLog, cost, max_num_seqs: int, max_batched_token
     """The same requests through one always-on simulated replica with the engine's limits."""
     sizing = ReplicaSizing("engine", 1, max_num_seqs, max_batched_tokens, kv_tokens, cost,
                            ReplicaCapacity(1.0, 1.0), 0.0, ColdStartLayers(0.0, 0.0, 0.0, 0.0))
-    log = RequestLog(trace.arrival, trace.model, trace.klass, trace.prompt, trace.output)
+    log = trace.fresh()
     scenario = Scenario(name="trace", models=(ModelTraffic("engine", "smollm2-135m"),),
                         duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0)
     sim = FleetSim(replace(scenario, policies=("always_on",)), "always_on", [sizing], log,

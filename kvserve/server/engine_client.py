@@ -112,7 +112,7 @@ class EngineClient:
         self._send(codec.InitEngine(self.engine_config))
         info = await asyncio.wait_for(self._read_ready(reader), timeout_s)
         self._set_adapters(info.adapters)
-        self.metrics.record_start(info.start_timings, time.monotonic() - spawned)
+        self.metrics.start.record(info.start_timings, time.monotonic() - spawned)
         self.info = info
         self._reader_task = asyncio.create_task(self._read_loop(reader))
         return self.info

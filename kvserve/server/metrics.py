@@ -280,6 +280,26 @@ class DisaggMetrics:
             self.in_stage.set(count, stage=stage)
 
 
+class StartMetrics:
+    """This server's start, set once when its engine is ready (docs/coldstart.md)."""
+
+    def __init__(self):
+        self.layers = Gauge("kvserve_cold_start_seconds", "This replica's start by layer: runtime (engine process "
+                            "start, imports, model build), weights (checkpoint or host-cache read, onto the "
+                            "device), warmup (bandwidth probe, KV allocation, warm-up pass).", additive=False)
+        self.phases = Gauge("kvserve_start_phase_seconds", "The engine's start-up phases (EngineCore.start_timings).",
+                            additive=False)
+        self.all = [self.layers, self.phases]
+
+    def record(self, phases: dict, process_s: float) -> None:
+        """The engine process's start (spawn to ready, seconds) and its phases."""
+        from kvserve.coldstart.layers import split_layers
+        for layer, seconds in split_layers(phases, process_s).items():
+            self.layers.set(round(seconds, 4), layer=layer.removesuffix("_s"))
+        for phase, seconds in phases.items():
+            self.phases.set(round(seconds, 4), phase=phase.removesuffix("_s"))
+
+
 class ServerMetrics:
     """Every metric the server exports; ``render()`` is the /metrics body."""
 
@@ -327,11 +347,7 @@ class ServerMetrics:
         self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
         self.rejected = c("kvserve_requests_rejected_total", "Requests refused, by HTTP status and code.")
-        self.cold_start = g("kvserve_cold_start_seconds", "This replica's start by layer: runtime (engine process "
-                            "start, imports, model build), weights (checkpoint or host-cache read, onto the "
-                            "device), warmup (bandwidth probe, KV allocation, warm-up pass).", additive=False)
-        self.start_phase = g("kvserve_start_phase_seconds", "The engine's start-up phases (EngineCore.start_timings).",
-                             additive=False)
+        self.start = StartMetrics()
         self.classes = ClassMetrics()
         self.tenants = TenantMetrics()
         self.lora = LoRAMetrics()
@@ -345,15 +361,7 @@ class ServerMetrics:
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
                      self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
-                     self.rejected, self.cold_start, self.start_phase, *self.classes.all, *self.tenants.all]
-
-    def record_start(self, phases: dict, process_s: float) -> None:
-        """The engine process's start (spawn to ready, seconds) and its phases, once at start."""
-        from kvserve.coldstart.layers import split_layers
-        for layer, seconds in split_layers(phases, process_s).items():
-            self.cold_start.set(round(seconds, 4), layer=layer.removesuffix("_s"))
-        for phase, seconds in phases.items():
-            self.start_phase.set(round(seconds, 4), phase=phase.removesuffix("_s"))
+                     self.rejected, *self.start.all, *self.classes.all, *self.tenants.all]
 
     def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""
@@ -394,14 +402,9 @@ class ServerMetrics:
                 + (self.parallel.all if self.parallel.enabled else []))
 
     def render(self) -> str:
-        lines = []
         extra = ((self.lora.all if self.lora_enabled else []) + (self.disagg.all if self.disagg.enabled else [])
                  + (self.parallel.all if self.parallel.enabled else []))
-        for metric in self._all + extra:
-            lines.append(f"# HELP {metric.name} {metric.help}")
-            lines.append(f"# TYPE {metric.name} {metric.kind}")
-            lines.extend(metric.render())
-        return "\n".join(lines) + "\n"
+        return render_metrics(self._all + extra)
 
 
 def render_metrics(metrics) -> str:
