@@ -9,8 +9,12 @@ of the fleet, ``earlier`` at ``t0`` and ``later`` at ``t1``, give the demand::
     prefill tokens/s = sum over replicas of delta(prompt_tokens_total - prefix_hit_tokens_total) / (t1 - t0)
     decode  tokens/s = sum over replicas of delta(generation_tokens_total)                     / (t1 - t0)
 
-Per replica, ``delta = later - earlier``; a replica that is new in ``later``, or whose counter went
-down (a restart), counted from zero, so ``delta = later``. A replica that left during the window
+Per replica and per counter, ``delta = later - earlier``; a replica that is new in ``later``, or whose
+counter went down (a restart), counted from zero, so ``delta = later``. The reset rule applies to each
+cumulative counter on its own, never to the difference ``prompt - prefix hits``: that difference is
+not monotone (a window where hits grow faster than admitted prompt tokens makes it go down), and
+reading such a dip as a restart counted the replica's whole history as one window's demand (the
+simulator-vs-cluster check found it: a 25x prefill spike that started a replica at 0.4 requests/s). A replica that left during the window
 takes its tokens with it (under-counted for one window). The request-count signal is the
 ``later`` scrape's ``sum(running + waiting)`` plus the requests queued in front of the replicas
 (at the ingress, e.g. for a model with no replica yet).
@@ -83,8 +87,9 @@ def token_demand(earlier: FleetScrape, later: FleetScrape) -> TokenDemand:
     prefill = decode = 0.0
     for replica_id, now in later.replicas.items():
         before = earlier.replicas.get(replica_id)
-        prefill += _counter_delta(before.prompt_tokens_computed_total if before else None,
-                                  now.prompt_tokens_computed_total)
+        computed = _counter_delta(before.prompt_tokens_total if before else None, now.prompt_tokens_total) \
+            - _counter_delta(before.prefix_hit_tokens_total if before else None, now.prefix_hit_tokens_total)
+        prefill += max(0.0, computed)
         decode += _counter_delta(before.generation_tokens_total if before else None, now.generation_tokens_total)
     return TokenDemand(prefill / window_s, decode / window_s, later.queued_requests)
 

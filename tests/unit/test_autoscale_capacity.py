@@ -110,6 +110,20 @@ def test_new_and_restarted_replicas_count_from_zero():
     assert demand.decode_tokens_per_s == pytest.approx(10.0)
 
 
+def test_prefix_hits_outgrowing_prompt_tokens_is_not_a_restart():
+    # the replica's counters as the cluster check logged them: 41 prompt tokens admitted and 96
+    # prefix-hit tokens in the window, so admitted - hits went down (4,119 -> 4,078); read as a
+    # restart, the whole 4,078 tokens were one window's demand (a 25x spike)
+    earlier = FleetScrape(0.0, {"a": ReplicaCounters(4_279, 160, 650)})
+    later = FleetScrape(6.0, {"a": ReplicaCounters(4_320, 256, 758)})
+    demand = token_demand(earlier, later)
+    assert demand.prefill_tokens_per_s == 0.0
+    assert demand.decode_tokens_per_s == pytest.approx(108 / 6)
+    # each counter keeps its own reset rule: a real restart still counts from zero
+    restarted = FleetScrape(12.0, {"a": ReplicaCounters(600, 60, 40)})
+    assert token_demand(later, restarted).prefill_tokens_per_s == pytest.approx(540 / 6)
+
+
 def test_window_must_be_positive():
     scrape = FleetScrape(5.0, {})
     with pytest.raises(AutoscaleInputError):
