@@ -160,6 +160,41 @@ def test_grace_protects_at_most_its_share_of_the_pool():
     w.check()
 
 
+def _grow(w, name, more):
+    """``name`` computes ``more`` tokens and inserts them as the engine does: a child node of
+    its prompt's node, its lock moving down."""
+    old = w.handles[name]
+    blocks = w.pool.allocate(len(more) // w.pool.block_size)
+    w.tables[name] += blocks
+    new = w.cache.insert(old, more, blocks)
+    w.cache.lock(new)
+    w.cache.unlock(old)
+    w.handles[name] = new
+
+
+def test_grace_counts_the_chain_a_protected_node_pins():
+    # A finished request's prompt and output are two nodes, [A B] -> [C D]; grace marks the
+    # output's node, and since only leaves are evicted it pins the prompt's too. Counting the
+    # leaf alone (2 blocks each) let three such chains (12 blocks) pass a 4-block share: a
+    # 0.05 GiB server pool at 1.5 req/s then admitted one request at a time (TTFT p50 10.5 s).
+    w = World(num_blocks=12)                           # max_protected_share 0.5: 6 blocks
+    for name, prompt, output in (("a", toks(A, B), toks(C, D)), ("b", toks(E, F), toks(A, C)),
+                                 ("c", toks(D, E), toks(F, A))):
+        w.run(name, prompt, keep=True)
+        _grow(w, name, output)
+        w.finish(name, grace_s=10.0)
+    assert w.cache.stats().num_nodes == 6
+    assert w.cache.num_protected_blocks() == 12
+    # beyond the share, least recently used first: a's chain, then b's output (tail first)
+    assert sorted(w.cache.evict(16)) == [0, 1, 2, 3, 6, 7]
+    assert w.cache.num_protected_blocks() == 4                # c's chain; b's prompt is no longer pinned
+    assert w.cache.evict(16) == [5, 4]                        # so it goes like any unprotected block
+    assert w.cache.evict(16) == []                            # within the share: grace holds
+    w.run("d", toks(B, C), keep=True)                  # a running request's lock holds its own blocks
+    assert w.cache.num_protected_blocks() == 4
+    w.check()
+
+
 def test_lock_on_a_prefix_keeps_the_path_and_lets_children_go():
     w = World()
     w.run("long", toks(A, B, C, D))                    # [0 1 2 3]

@@ -249,26 +249,41 @@ class PrefixCache:
         """Drop the cache's reference on up to ``num_blocks`` blocks, least recently used
         unlocked leaves first, each leaf from its last block backwards. Returns the block
         ids dropped, in order (a block a sequence still shares does not become free).
-        Blocks within their grace time are kept unless ``include_protected`` (the
-        scheduler's last resort when nothing else could ever make progress), except the
-        protected blocks beyond ``max_protected_blocks``."""
-        if include_protected:
-            return self._evict(num_blocks, float("inf"), lambda node: True)
+        Blocks within their grace time are kept unless ``include_protected`` (then they go
+        after every unprotected one), except the protected blocks beyond
+        ``max_protected_blocks``."""
         now = self._clock()
         dropped = self._evict(num_blocks, now, lambda node: True)
+        if include_protected:
+            if len(dropped) < num_blocks:
+                dropped += self._evict(num_blocks - len(dropped), float("inf"), lambda node: True)
+            return dropped
         excess = self.num_protected_blocks(now) - self.max_protected_blocks
         if len(dropped) < num_blocks and excess > 0:
             dropped += self._evict(min(num_blocks - len(dropped), excess), float("inf"), lambda node: True)
         return dropped
 
     def num_protected_blocks(self, now: float | None = None) -> int:
-        """Blocks that only grace time keeps: unlocked, protected until after ``now``."""
+        """Blocks that only grace time keeps: those of an unlocked node protected until after
+        ``now``, and of its ancestors, which it pins (only leaves are evicted), unless a
+        running request's lock below them holds them anyway. A finished request's prompt
+        and its output are inserted as a chain of nodes and grace marks the last one: counting
+        that node alone let a small pool fill with pinned chains past the share."""
         now = self._clock() if now is None else now
-        count, stack = 0, list(self._roots.values())
-        while stack:
+        count, order, stack = 0, [], list(self._roots.values())
+        while stack:                                   # parents before children
             node = stack.pop()
+            order.append(node)
             stack.extend(node.children.values())
-            if not node.is_root and node.lock_count == 0 and node.protected_until > now:
+        state: dict[int, tuple[bool, bool]] = {}       # id(node) -> (grace below or here, lock below or here)
+        for node in reversed(order):                   # children before parents
+            graced = node.lock_count == 0 and node.protected_until > now
+            locked = node.lock_count > 0
+            for child in node.children.values():
+                child_graced, child_locked = state.pop(id(child))
+                graced, locked = graced or child_graced, locked or child_locked
+            state[id(node)] = (graced, locked)
+            if not node.is_root and graced and not locked:
                 count += len(node.block_ids)
         return count
 
