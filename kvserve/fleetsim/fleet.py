@@ -4,7 +4,8 @@ the residency tiers of one fleet policy.
 Events, in time order (ties by insertion): a request's arrival (routed or queued), a
 replica's segment end (``BatchReplica.complete``), a replica becoming ready, the autoscaler
 tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
-model's ``ModelScaler`` decides), and the re-tiering tick (every ``retier_interval_s``). No
+model's ``ModelScaler`` decides; the decision takes effect ``decision_delay_s`` later, the age of
+the metrics a real controller decides from), and the re-tiering tick (every ``retier_interval_s``). No
 clock is read and every choice is ordered, so the same scenario gives the same result.
 """
 from __future__ import annotations
@@ -22,7 +23,7 @@ from kvserve.fleetsim.scaling import POLICIES, ModelScaler, replicas_for_rate
 from kvserve.fleetsim.scenario import Scenario
 from kvserve.fleetsim.sizing import ReplicaSizing
 
-REPLICA, READY, TICK, RETIER = 0, 1, 2, 3
+REPLICA, READY, TICK, RETIER, APPLY = 0, 1, 2, 3, 4
 TIMELINE_EVERY_S = 300.0
 
 
@@ -49,6 +50,7 @@ class FleetSim:
                                             scenario.max_replicas, wanted))
         self.retier_config = RetierConfig(host_cache_bytes=scenario.host_cache_bytes)
         self.timeline: list[tuple[float, dict[str, int]]] = []
+        self.serving: list[tuple[float, tuple[int, ...]]] = [(0.0, self._serving())]
         self.rejected = 0
 
     def _initial_tier(self, name: str) -> ResidencyTier:
@@ -99,7 +101,7 @@ class FleetSim:
         end = max(s.duration_s, max((self.log.finish_s[i] for i in range(len(arrival))), default=0.0))
         for dep in deps:
             dep.account(end)
-        return {"end_s": end, "timeline": self.timeline, "rejected": self.rejected}
+        return {"end_s": end, "timeline": self.timeline, "serving": self.serving, "rejected": self.rejected}
 
     def _handle(self, event) -> None:
         t, _, kind, a, b = event
@@ -113,8 +115,13 @@ class FleetSim:
             dep = self.deployments[a]
             for replica, nxt in dep.replica_ready(b, t):
                 self._replica_event(replica, nxt)
+            self._note_serving(t)
         elif kind == TICK:
             self._tick(t)
+            self._note_serving(t)
+        elif kind == APPLY:
+            self._apply(self.deployments[a], b, t)
+            self._note_serving(t)
         else:
             self._retier(t)
 
@@ -131,16 +138,33 @@ class FleetSim:
             if not dep.held and not dep.queue and dep.tier is not ResidencyTier.HOT:
                 continue                       # nothing runs or waits: desired is 0 (bounds allow it)
             want = scaler.decide(now, dep.tier, dep.active, dep.counters(now), len(dep.queue))
-            if want > dep.active:
-                for _ in range(want - dep.active):
-                    name, ready = dep.start_replica(now)
-                    self._push(ready, READY, dep.index, name)
-            elif want < dep.active:
-                dep.stop_replicas(dep.active - want, now)
+            if s.decision_delay_s > 0:
+                self._push(now + s.decision_delay_s, APPLY, dep.index, want)
+            else:
+                self._apply(dep, want, now)
         if math.fmod(now, TIMELINE_EVERY_S) < s.autoscale_interval_s:
             self.timeline.append((now, self._gpus_by_tier()))
         if now + s.autoscale_interval_s <= s.duration_s:
             self._push(now + s.autoscale_interval_s, TICK, None, None)
+
+    def _apply(self, dep: Deployment, want: int, now: float) -> None:
+        """Start or stop replicas so ``dep`` has ``want`` (serving + starting)."""
+        if want > dep.active:
+            for _ in range(want - dep.active):
+                name, ready = dep.start_replica(now)
+                self._push(ready, READY, dep.index, name)
+        elif want < dep.active:
+            dep.stop_replicas(dep.active - want, now)
+
+    def _serving(self) -> tuple[int, ...]:
+        return tuple(len(dep.ready) for dep in self.deployments)
+
+    def _note_serving(self, now: float) -> None:
+        """Record each model's serving replicas (ready, not starting or draining) when they change:
+        the step function a cluster's replica count over time is compared with."""
+        counts = self._serving()
+        if counts != self.serving[-1][1]:
+            self.serving.append((now, counts))
 
     def _gpus_by_tier(self) -> dict[str, int]:
         gpus = {t.value: 0 for t in ResidencyTier}

@@ -25,7 +25,6 @@ are in :mod:`kvserve.loadgen.ghost_report`.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import random
 import sys
@@ -37,6 +36,7 @@ import httpx
 from kvserve.loadgen.ghost_report import GhostRecord, format_ghost_line, parse_server_timing, summarize_ghost
 from kvserve.loadgen.report import emit_json
 from kvserve.loadgen.runner import _http_error_kind
+from kvserve.loadgen.sse import sse_events
 
 MAX_GHOST_TOKENS = 16
 WORD_ENDS = frozenset(" ([{.,:=")
@@ -244,10 +244,7 @@ class GhostRunner:
             if response.status_code != 200:
                 record.error = _http_error_kind(response.status_code, await response.aread())
                 return
-            async for line in response.aiter_lines():
-                if not line.startswith("data:") or line[5:].strip() == "[DONE]":
-                    continue
-                event = json.loads(line[5:])
+            async for event in sse_events(response):
                 if "error" in event:
                     record.error = f"stream_error:{(event['error'] or {}).get('code')}"
                 if record.first_chunk is None and any(c.get("text") for c in event.get("choices") or []):

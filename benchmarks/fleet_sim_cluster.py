@@ -1,0 +1,121 @@
+"""The fleet simulator against the local Ray cluster: the same trace, the replica count over time.
+
+1. ``kvserve profile --quick --threads 1`` on this machine (or ``--hardware PATH``: a saved entry).
+2. ``kvserve cluster serve`` of the default model, one thread per replica, ``--autoscale tokens``
+   between 1 and 2 replicas, its capacity planned on that hardware entry (``--capacity-gpu``),
+   ``--router least_loaded`` (the trace's prompts share no prefix).
+3. An open-loop trace whose rate steps up, then down (``--phases``), streamed through the ingress
+   (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas.
+4. The simulator plays the same requests through one deployment with the cluster's limits and
+   autoscaling settings, the profile's step times, and the replica start the cluster took.
+
+    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
+
+Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
+their mean absolute difference over the mean), measured and simulated, with the ratios
+(simulated / measured); the issue's bar is within 20%.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pickle
+import subprocess
+import sys
+import tempfile
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.server_process import ServerProcess  # noqa: E402
+
+KV_CACHE_GIB = 0.25
+
+
+def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: float) -> list[str]:
+    """``kvserve cluster serve`` options of the check (the simulator reads the same ones)."""
+    return ["--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", "4", "--replicas", "1",
+            "--router", "least_loaded", "--no-ladder", "--autoscale", "tokens", "--tier", "hot",
+            "--min-replicas", "1", "--max-replicas", "2", "--capacity-gpu", hw_path,
+            "--capacity-prompt-tokens", "128", "--capacity-output-tokens", "24",
+            "--demand-window-s", str(demand_window_s), "--downscale-window-s", str(downscale_window_s)]
+
+
+def profile(path: str | None = None, repeats: int | None = None) -> str:
+    """``kvserve profile --quick --threads 1`` (the replicas' thread count) into ``path`` (a
+    temporary file by default); the path."""
+    path = path or os.path.join(tempfile.mkdtemp(), "local.json")
+    extra = ["--repeats", str(repeats)] if repeats else []
+    subprocess.run([sys.executable, "-m", "kvserve.cli", "profile", "--quick", "--threads", "1", *extra, "--out",
+                    path], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
+          downscale_window_s: float = 20.0, seed: int = 0) -> tuple[dict, object, object]:
+    """Run the cluster on the trace, simulate the same trace, compare (the module docstring):
+    (the comparison, the measured log, the simulated log)."""
+    from kvserve.cli import build_parser
+    from kvserve.cluster.capacity_source import settings_from_args
+    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, simulate_autoscaled
+    from kvserve.fleetsim.replay import replay_and_watch, running_steps, start_durations
+    from kvserve.loader.api import default_model_path
+    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+    from kvserve.planner.model_io import model_from_gguf
+    from kvserve.planner.hardware import load_hardware_file
+    from kvserve.planner.roofline import cost_model
+
+    flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
+    args = build_parser().parse_args(["cluster", "serve", *flags])
+    settings = settings_from_args(args, default_model_path())
+    hw = load_hardware_file(hw_path)
+    wdtype = dict(hw.calibration).get("weight_dtype", "bf16")
+    cm = cost_model(model_from_gguf(default_model_path()), hw, weight_dtype(wdtype), kv_dtype(wdtype), 1)
+    trace = phased_trace(phases, 128.0, 24.0, seed)
+    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
+        measured, served_by, changes = asyncio.run(replay_and_watch(cluster.url, trace, cm.model.vocab_size))
+    starts = start_durations(changes)
+    start_s = sum(starts) / len(starts) if starts else 0.0
+    kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
+    simulated, sim_steps = simulate_autoscaled(trace, cm, args.max_num_seqs, args.max_num_batched_tokens, kv_tokens,
+                                               settings, start_s)
+    end = sum(seconds for seconds, _ in phases)
+    result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
+    return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
+            "replica_starts_measured_s": [round(s, 2) for s in starts],
+            "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
+            "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
+            "measured_requests_per_replica": _per_replica(served_by), **result}, measured, simulated
+
+
+def _per_replica(served_by: list) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for replica in served_by:
+        counts[str(replica)] = counts.get(str(replica), 0) + 1
+    return counts
+
+
+def parse_phases(text: str) -> list[tuple[float, float]]:
+    """``SECONDS:RATE,...``."""
+    return [tuple(float(x) for x in part.split(":", 1)) for part in text.split(",")]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--phases", type=parse_phases, default=parse_phases("30:0.5,60:1.5,60:0.4"),
+                        help="SECONDS:REQUESTS_PER_S,... (default 30:0.5,60:1.5,60:0.4)")
+    parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dump", default=None, help="pickle both request logs' arrays here")
+    args = parser.parse_args()
+    result, measured, simulated = check(args.hardware or profile(), args.phases, seed=args.seed)
+    if args.dump:
+        with open(args.dump, "wb") as f:
+            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result}, f)
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

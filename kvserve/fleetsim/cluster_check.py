@@ -1,0 +1,119 @@
+"""The simulator against the local Ray cluster on the same short trace (issue 19, test 4).
+
+One model on ``kvserve cluster serve --autoscale tokens``: a trace whose rate steps up and back
+down (``phased_trace``) makes the autoscaler add a replica and later remove it. The same
+requests go through ``simulate_autoscaled``: one simulated deployment with the cluster's limits
+(``max_num_seqs``, ``max_num_batched_tokens``, KV pool), step times from the hardware entry
+``kvserve profile`` measured on this machine, the cluster's autoscaling settings
+(``AutoscaleSettings``: the same capacity, headroom, demand window and down-scaling window; the
+decisions' rhythm and delay from Ray Serve's metrics pipeline, ``ray_decision_timing``) and the
+replica start the cluster was measured to take.
+
+Compared (``compare_cluster``): TTFT p50 and p99 and TPOT p50 of the requests, and the serving replica count
+over time: replica-seconds over the trace and the mean absolute difference of the two step
+functions (sampled every second) over the mean count, each as simulated / measured.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kvserve.autoscale.capacity import ReplicaCapacity
+from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.fleet import FleetSim
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.scenario import ModelTraffic, Scenario
+from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
+
+MODEL = "engine"
+
+
+def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_mean: float,
+                 seed: int = 0) -> RequestLog:
+    """Poisson arrivals at ``rate`` per second for each ``(seconds, rate)`` phase in turn;
+    log-normal lengths (sigma 0.5) around the means, clipped as ``validate.make_trace`` does."""
+    rng = np.random.default_rng(seed)
+    arrivals, start = [], 0.0
+    for seconds, rate in phases:
+        t = start + rng.exponential(1.0 / rate)
+        while t < start + seconds:
+            arrivals.append(t)
+            t += rng.exponential(1.0 / rate)
+        start += seconds
+    n = len(arrivals)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(prompt_mean) - 0.125, 0.5, n)), 8, 2048)
+    outputs = np.clip(np.rint(rng.lognormal(np.log(output_mean) - 0.125, 0.5, n)), 2, 512)
+    return RequestLog(np.asarray(arrivals), np.zeros(n), np.zeros(n), prompts, outputs)
+
+
+def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
+    """(seconds between the token policy's decisions, the age of the metrics a decision reads) on
+    Ray Serve as ``cluster/ray_autoscale.py`` configures it: replicas record a sample every
+    ``LOOK_BACK_S x 0.2`` seconds and push every ``METRICS_INTERVAL_S``; the demand window
+    closes on the first sample at least ``demand_window_s`` after its start, so decisions come
+    every ``ceil(window / record) x record`` seconds, from samples up to ``record + push`` old."""
+    from kvserve.cluster.ray_autoscale import LOOK_BACK_S, METRICS_INTERVAL_S
+    record_every = LOOK_BACK_S * 0.2
+    return math.ceil(demand_window_s / record_every - 1e-9) * record_every, record_every + METRICS_INTERVAL_S
+
+
+def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
+                        settings, start_s: float) -> tuple[RequestLog, list[tuple[float, int]]]:
+    """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
+    ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
+    the serving replica count's step function). A hot model's first replica serves at time 0, as
+    the cluster's does (it is up before the trace starts); decisions follow ``ray_decision_timing``."""
+    if settings.mode != "tokens":
+        raise ValueError("the cluster check simulates the token policy")
+    capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
+    sizing = ReplicaSizing(MODEL, 1, max_num_seqs, max_batched_tokens, kv_tokens, cost, capacity, 0.0,
+                           ColdStartLayers(start_s, 0.0, 0.0, 0.0))
+    log = trace.fresh()
+    interval, delay = ray_decision_timing(settings.demand_window_s)
+    scenario = Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),),
+                        duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0,
+                        autoscale_interval_s=interval, decision_delay_s=delay,
+                        downscale_window_s=settings.downscale_window_s,
+                        headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
+                        max_queue_wait_s=float("inf"), policies=("tiers_tokens",))
+    sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0])
+    return log, [(t, counts[0]) for t, counts in sim.run()["serving"]]
+
+
+def sample_steps(steps: list[tuple[float, int]], end_s: float, every_s: float = 1.0) -> np.ndarray:
+    """A step function ``[(time, value), ...]`` (sorted, first at or before 0) read every ``every_s``
+    seconds over ``[0, end_s)``."""
+    times = np.array([t for t, _ in steps])
+    values = np.array([v for _, v in steps], dtype=float)
+    grid = np.arange(0.0, end_s, every_s)
+    return values[np.clip(np.searchsorted(times, grid, side="right") - 1, 0, None)]
+
+
+def _latency(log: RequestLog) -> dict:
+    arr = log.arrays()
+    ttft = arr["ttft_s"][~np.isnan(arr["ttft_s"])]
+    tpot = arr["tpot_s"][~np.isnan(arr["tpot_s"])]
+    return {"p50_ttft_s": float(np.percentile(ttft, 50)), "p99_ttft_s": float(np.percentile(ttft, 99)),
+            "p50_tpot_s": float(np.percentile(tpot, 50)), "served": int(ttft.size),
+            "not_served": int(len(log) - ttft.size)}
+
+
+def compare_cluster(measured: RequestLog, measured_steps: list[tuple[float, int]], simulated: RequestLog,
+                    simulated_steps: list[tuple[float, int]], end_s: float) -> dict:
+    """TTFT p50 / p99 and the replica count over ``[0, end_s)``, measured and simulated, with the
+    ratios simulated / measured and the count's mean absolute difference over its mean."""
+    out = {"measured": _latency(measured), "simulated": _latency(simulated)}
+    counts = {"measured": sample_steps(measured_steps, end_s), "simulated": sample_steps(simulated_steps, end_s)}
+    for name, series in counts.items():
+        out[name]["replica_seconds"] = float(series.sum())
+        out[name]["max_replicas"] = int(series.max())
+        up = np.flatnonzero(series > series[0])
+        out[name]["first_scale_up_s"] = float(up[0]) if up.size else None
+        out[name]["replica_steps"] = [[round(t, 1), int(v)] for t, v in
+                                      (measured_steps if name == "measured" else simulated_steps)]
+    out["ratio"] = {k: round(out["simulated"][k] / out["measured"][k], 3)
+                    for k in ("p50_ttft_s", "p99_ttft_s", "p50_tpot_s", "replica_seconds")}
+    out["replica_count_mean_abs_diff_over_mean"] = round(
+        float(np.abs(counts["simulated"] - counts["measured"]).mean() / counts["measured"].mean()), 3)
+    return out
