@@ -6,15 +6,17 @@ Each replica exports cumulative counters on ``/metrics`` (``server/metrics.py``)
 tokens), and gauges ``kvserve_num_requests_running`` / ``kvserve_num_requests_waiting``. Two scrapes
 of the fleet, ``earlier`` at ``t0`` and ``later`` at ``t1``, give the demand::
 
-    prefill tokens/s = sum over replicas of delta(prompt_tokens_total - prefix_hit_tokens_total) / (t1 - t0)
-    decode  tokens/s = sum over replicas of delta(generation_tokens_total)                     / (t1 - t0)
+    prefill tokens/s = sum over replicas of max(0, delta(prompt_tokens_total) - delta(prefix_hit_tokens_total))
+                       / (t1 - t0)
+    decode  tokens/s = sum over replicas of delta(generation_tokens_total) / (t1 - t0)
 
-Per replica and per counter, ``delta = later - earlier``; a replica that is new in ``later``, or whose
-counter went down (a restart), counted from zero, so ``delta = later``. The reset rule applies to each
-cumulative counter on its own, never to the difference ``prompt - prefix hits``: that difference is
-not monotone (a window where hits grow faster than admitted prompt tokens makes it go down), and
-reading such a dip as a restart counted the replica's whole history as one window's demand (the
-simulator-vs-cluster check found it: a 25x prefill spike that started a replica at 0.4 requests/s). A replica that left during the window
+Per replica and per counter, ``delta = later - earlier``; a replica that is new in ``later``, or
+whose counter went down (a restart), counted from zero, so ``delta = later``. The reset rule
+applies to each cumulative counter on its own, never to the difference ``prompt - prefix hits``:
+that difference is not monotone (a window where hits grow faster than admitted prompt tokens
+makes it go down), and reading such a dip as a restart counted the replica's whole history as
+one window's demand (the simulator-vs-cluster check found it: a 25x prefill spike that started a
+replica at 0.4 requests/s). A replica that left during the window
 takes its tokens with it (under-counted for one window). The request-count signal is the
 ``later`` scrape's ``sum(running + waiting)`` plus the requests queued in front of the replicas
 (at the ingress, e.g. for a model with no replica yet).
