@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+from collections import Counter
 import json
 import os
 import pickle
@@ -87,14 +88,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "replica_starts_measured_s": [round(s, 2) for s in starts],
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "measured_requests_per_replica": _per_replica(served_by), **result}, measured, simulated
-
-
-def _per_replica(served_by: list) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for replica in served_by:
-        counts[str(replica)] = counts.get(str(replica), 0) + 1
-    return counts
+            "measured_requests_per_replica": dict(Counter(map(str, served_by))), **result}, measured, simulated
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

@@ -25,6 +25,7 @@ from kvserve.fleetsim.fleet import FleetSim
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
+from kvserve.fleetsim.validate import trace_log
 
 MODEL = "engine"
 
@@ -32,7 +33,7 @@ MODEL = "engine"
 def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_mean: float,
                  seed: int = 0) -> RequestLog:
     """Poisson arrivals at ``rate`` per second for each ``(seconds, rate)`` phase in turn;
-    log-normal lengths (sigma 0.5) around the means, clipped as ``validate.make_trace`` does."""
+    lengths as ``validate.trace_log`` draws them."""
     rng = np.random.default_rng(seed)
     arrivals, start = [], 0.0
     for seconds, rate in phases:
@@ -41,10 +42,7 @@ def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_m
             arrivals.append(t)
             t += rng.exponential(1.0 / rate)
         start += seconds
-    n = len(arrivals)
-    prompts = np.clip(np.rint(rng.lognormal(np.log(prompt_mean) - 0.125, 0.5, n)), 8, 2048)
-    outputs = np.clip(np.rint(rng.lognormal(np.log(output_mean) - 0.125, 0.5, n)), 2, 512)
-    return RequestLog(np.asarray(arrivals), np.zeros(n), np.zeros(n), prompts, outputs)
+    return trace_log(rng, arrivals, prompt_mean, output_mean)
 
 
 def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
@@ -101,8 +99,8 @@ def _latency(log: RequestLog) -> dict:
 
 def compare_cluster(measured: RequestLog, measured_steps: list[tuple[float, int]], simulated: RequestLog,
                     simulated_steps: list[tuple[float, int]], end_s: float) -> dict:
-    """TTFT p50 / p99 and the replica count over ``[0, end_s)``, measured and simulated, with the
-    ratios simulated / measured and the count's mean absolute difference over its mean."""
+    """TTFT p50 / p99, TPOT p50 and the replica count over ``[0, end_s)``, measured and simulated,
+    with the ratios simulated / measured and the count's mean absolute difference over its mean."""
     out = {"measured": _latency(measured), "simulated": _latency(simulated)}
     counts = {"measured": sample_steps(measured_steps, end_s), "simulated": sample_steps(simulated_steps, end_s)}
     for name, series in counts.items():

@@ -26,10 +26,16 @@ def make_trace(num_requests: int, rate_per_s: float, prompt_mean: float, output_
                seed: int = 0) -> RequestLog:
     """Poisson arrivals at ``rate_per_s``; log-normal lengths (sigma 0.5) around the means."""
     rng = np.random.default_rng(seed)
-    arrivals = np.cumsum(rng.exponential(1.0 / rate_per_s, num_requests))
-    prompts = np.clip(np.rint(rng.lognormal(np.log(prompt_mean) - 0.125, 0.5, num_requests)), 8, 2048)
-    outputs = np.clip(np.rint(rng.lognormal(np.log(output_mean) - 0.125, 0.5, num_requests)), 2, 512)
-    return RequestLog(arrivals, np.zeros(num_requests), np.zeros(num_requests), prompts, outputs)
+    return trace_log(rng, np.cumsum(rng.exponential(1.0 / rate_per_s, num_requests)), prompt_mean, output_mean)
+
+
+def trace_log(rng, arrivals, prompt_mean: float, output_mean: float) -> RequestLog:
+    """A one-model log of requests at ``arrivals``: log-normal prompt and output lengths (sigma
+    0.5) around the means, drawn from ``rng``, clipped to [8, 2048] and [2, 512]."""
+    n = len(arrivals)
+    prompts = np.clip(np.rint(rng.lognormal(np.log(prompt_mean) - 0.125, 0.5, n)), 8, 2048)
+    outputs = np.clip(np.rint(rng.lognormal(np.log(output_mean) - 0.125, 0.5, n)), 2, 512)
+    return RequestLog(np.asarray(arrivals), np.zeros(n), np.zeros(n), prompts, outputs)
 
 
 def run_engine_trace(llm, trace: RequestLog, vocab_size: int, seed: int = 0) -> RequestLog:
