@@ -1,7 +1,8 @@
-"""Offline throughput on a CUDA device: kvserve (bf16) vs Hugging Face transformers (bf16), same run.
+"""Offline throughput on a CUDA device: kvserve (bf16; decode graphs on, off) vs HF transformers (bf16).
 
 The workload of ``offline_throughput.py`` (prompt lengths uniform in [16, 1024], outputs in
-[16, 256], greedy, ignore_eos, all at once), on ``cuda``; plus single-request decode tokens/s
+[16, 256], greedy, ignore_eos, all at once), on ``cuda``, with decode steps replayed as CUDA
+graphs (the default) and eager (``cuda_graphs=False``); plus single-request decode tokens/s
 against the weight-read bound (weight bytes / the device's measured copy bandwidth).
 
     python benchmarks/gpu_throughput.py [--requests 256] [--hf-batch 64]
@@ -60,6 +61,25 @@ def run_hf_cuda(model_path: str, requests, batch_size: int) -> float:
     return sum(n for _, n in requests) / (time.perf_counter() - t)
 
 
+def measure_engine(path: str, requests, **engine_kwargs) -> dict:
+    """Throughput of the whole workload and bs=1 decode tokens/s of one engine."""
+    from kvserve import LLM
+    llm = LLM(path, device="cuda", kv_cache_bytes=8 * 2**30, max_num_seqs=256, max_num_batched_tokens=8192,
+              **engine_kwargs)
+    run_kvserve(llm, requests[:8])                                  # warm-up
+    tokens_per_s, seconds = run_kvserve(llm, requests)
+    bs1 = run_bs1(llm, requests[0][0])
+    graphs = llm.engine.runner.decode_graphs
+    out = {"output_tokens_per_s": round(tokens_per_s, 1), "seconds": round(seconds, 2),
+           "bs1_decode_tokens_per_s": round(bs1, 1)}
+    if graphs is not None:
+        out.update(graphs_captured=len(graphs.entries), capture_seconds=round(graphs.capture_seconds, 2))
+    out["weight_bytes"] = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    del llm
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
@@ -69,24 +89,24 @@ def main() -> None:
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
         return
-    from kvserve import LLM
     from kvserve.loader import default_model_path
+    from kvserve.tokenizer import Tokenizer
     path = default_model_path()
-    llm = LLM(path, device="cuda", kv_cache_bytes=8 * 2**30, max_num_seqs=256, max_num_batched_tokens=8192)
-    requests = make_workload(llm.tokenizer, args.requests, args.seed)
-    run_kvserve(llm, requests[:8])                                  # warm-up
-    ours, ours_s = run_kvserve(llm, requests)
-    bs1 = run_bs1(llm, requests[0][0])
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.engine.runner.model.parameters())
+    requests = make_workload(Tokenizer.load(path), args.requests, args.seed)
+    graphs = measure_engine(path, requests)
+    eager = measure_engine(path, requests, cuda_graphs=False)
     bandwidth = device_copy_bandwidth()
     hf = run_hf_cuda(path, requests, args.hf_batch)
+    bound = bandwidth / graphs["weight_bytes"]
     print(json.dumps({
         "device": torch.cuda.get_device_name(0), "torch": torch.__version__, "requests": args.requests,
-        "kvserve_output_tokens_per_s": round(ours, 1), "kvserve_seconds": round(ours_s, 2),
-        "hf_output_tokens_per_s": round(hf, 1), "ratio_vs_hf": round(ours / hf, 3),
-        "bs1_decode_tokens_per_s": round(bs1, 1), "weight_bytes": weight_bytes,
-        "copy_bandwidth_bytes_per_s": round(bandwidth), "bs1_bound_tokens_per_s": round(bandwidth / weight_bytes, 1),
-        "bs1_fraction_of_bound": round(bs1 / (bandwidth / weight_bytes), 4)}, indent=1))
+        "kvserve_graphs": graphs, "kvserve_eager": eager, "hf_output_tokens_per_s": round(hf, 1),
+        "ratio_vs_hf": round(graphs["output_tokens_per_s"] / hf, 3),
+        "eager_ratio_vs_hf": round(eager["output_tokens_per_s"] / hf, 3),
+        "graphs_vs_eager_throughput": round(graphs["output_tokens_per_s"] / eager["output_tokens_per_s"], 3),
+        "graphs_vs_eager_bs1": round(graphs["bs1_decode_tokens_per_s"] / eager["bs1_decode_tokens_per_s"], 3),
+        "copy_bandwidth_bytes_per_s": round(bandwidth), "bs1_bound_tokens_per_s": round(bound, 1),
+        "bs1_fraction_of_bound": round(graphs["bs1_decode_tokens_per_s"] / bound, 4)}, indent=1))
 
 
 if __name__ == "__main__":

@@ -95,6 +95,19 @@ def build_constraints(model_path: str, vocab_size: int):
     return ConstraintTracker(build_constraint_backend(Tokenizer.load(model_path), vocab_size))
 
 
+def build_decode_graphs(resolved, model, kv_cache, mc, batch_context):
+    """CUDA graphs for decode steps (``kvserve.engine.cuda_graphs``), or None: off, not on
+    CUDA, with LoRA (its transforms read per-step metadata) or a mixture-of-experts model
+    (its expert grouping reads counts back to the host)."""
+    if not resolved.cuda_graphs or batch_context is not None or hasattr(model, "sparse_blocks"):
+        return None
+    from kvserve.engine.cuda_graphs import DecodeGraphs
+    return DecodeGraphs(model, kv_cache,
+                        lambda: get_backend(resolved.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim),
+                        resolved.block_size, resolved.scheduler.max_num_seqs,
+                        -(-resolved.max_model_len // resolved.block_size), torch.device(resolved.device))
+
+
 def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     """An engine for ``config``; ``checkpoint`` (already loaded) saves reading it again.
     With ``tensor_parallel_size`` > 1 the workers of ranks 1..N-1 are started here and
@@ -205,8 +218,12 @@ def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: fl
     backend = get_backend(resolved.attention_backend, rank_config.num_heads, rank_config.num_kv_heads,
                           rank_config.head_dim)
     constraints = build_constraints(config.model, mc.vocab_size)
-    runner = (launch.runner if launch else ModelRunner)(model, kv_cache, backend, resolved.block_size, device,
-                                                        sampler, verifier, batch, constraints)
+    if launch:
+        runner = launch.runner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch,
+                               constraints)
+    else:
+        runner = ModelRunner(model, kv_cache, backend, resolved.block_size, device, sampler, verifier, batch,
+                             constraints, build_decode_graphs(resolved, model, kv_cache, rank_config, batch))
     speculator = None
     if spec:
         ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,

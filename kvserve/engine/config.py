@@ -70,6 +70,9 @@ class EngineConfig:
     # request; read unpacked weights from a host-memory cache folder (None: off).
     warmup: bool = False
     weight_cache_dir: str | None = None
+    # Decode steps replayed as CUDA graphs on a CUDA device (kvserve.engine.cuda_graphs);
+    # False runs every step eagerly (``--enforce-eager``). No effect on CPU.
+    cuda_graphs: bool = True
 
 
 @dataclass(frozen=True)
@@ -97,6 +100,7 @@ class ResolvedConfig:
     tensor_parallel_reason: str = ""      # why (logged at start)
     warmup: bool = False                  # one warm-up pass at start
     weight_cache_dir: str | None = None   # host-memory weight cache folder (None: off)
+    cuda_graphs: bool = False             # decode steps as CUDA graphs (CUDA only)
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,7 @@ def resolve(config: EngineConfig, model: ModelConfig, cuda_available: bool,
                                             pick_tensor_parallel)
     return ResolvedConfig(lora=resolve_lora(config), tensor_parallel_size=tp, tensor_parallel_reason=tp_reason,
         warmup=bool(config.warmup), weight_cache_dir=config.weight_cache_dir,
+        cuda_graphs=bool(config.cuda_graphs) and device == "cuda",
         device=device, dtype=dtype, max_model_len=max_model_len, kv_cache_bytes=config.kv_cache_bytes,
         block_size=config.block_size, num_threads=config.num_threads,
         attention_backend=config.attention_backend, seed=config.seed,

@@ -6,7 +6,8 @@ state: everything it needs arrives in the plan as ints and lists. A ``BatchConte
 metadata the model's projection transforms read. Structured output: the injected
 constraints (``engine/constraint.py``) give grammar masks for the constrained sampling
 rows, filled on the host after the forward is launched (overlapping a GPU's kernels); the
-sampler applies them to those rows only.
+sampler applies them to those rows only. On a GPU, decode-only steps replay CUDA graphs
+(``engine/cuda_graphs.py``, injected by the builder) instead of launching each kernel.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ class ModelRunner:
 
     def __init__(self, model, kv_cache: torch.Tensor, backend, block_size: int,
                  device: torch.device, sampler: Sampler | None = None, verifier: Verifier | None = None,
-                 batch_context: BatchContext | None = None, constraints=None):
+                 batch_context: BatchContext | None = None, constraints=None, decode_graphs=None):
         self.model = model
         self.kv_cache = kv_cache           # [layers, 2, blocks, block_size, KVH, D]
         self.backend = backend
@@ -39,6 +40,7 @@ class ModelRunner:
         self.verifier = verifier           # settles lookahead tokens (None: plans never carry any)
         self.batch_context = batch_context or PlainBatch()
         self.constraints = constraints or NullConstraints()   # grammar masks (structured output)
+        self.decode_graphs = decode_graphs  # kvserve.engine.cuda_graphs.DecodeGraphs, or None (eager)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> StepResult:
@@ -134,7 +136,11 @@ class ModelRunner:
 
     def _forward(self, items: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor]:
         """Final hidden states of every token ``[T, hidden]`` (rows in ``items`` order)
-        and the sampled rows."""
+        and the sampled rows. Decode-only steps go to the decode graphs when there are any."""
+        if self.decode_graphs is not None:
+            graphed = self.decode_graphs.forward(items)
+            if graphed is not None:
+                return graphed
         input_ids, positions, meta, sample_rows = self._prepare(items)
         self.batch_context.begin(items, [s.num_tokens + len(s.lookahead_token_ids) for s in items])
         try:

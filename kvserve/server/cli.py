@@ -67,6 +67,8 @@ def _add_engine_arguments(p) -> None:
     eng.add_argument("--engine-cpus", default=None, help="pin the engine process to these CPUs, e.g. 0 or 0-1")
     eng.add_argument("--http-cpus", default=None, help="pin the HTTP process to these CPUs")
     eng.add_argument("--device", default="auto")
+    eng.add_argument("--enforce-eager", action="store_true",
+                     help="run every step eagerly: no CUDA graphs for decode steps (GPU only)")
     eng.add_argument("--dtype", default="auto",
                      help="float32 | bfloat16 | float16 | auto (GPU bf16; CPU: bf16 where it measures faster)")
     eng.add_argument("--quantization", default="none", choices=["none", "int8", "int4"],
@@ -186,6 +188,7 @@ def engine_config_from_args(args, model_path: str, base_aliases: frozenset[str] 
             "max_model_len": args.max_model_len, "num_threads": args.threads, "seed": args.seed,
             "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
             "warmup": getattr(args, "warmup", False), "weight_cache_dir": getattr(args, "weight_cache", None),
+            "cuda_graphs": not getattr(args, "enforce_eager", False),
             "enable_prefix_cache": getattr(args, "prefix_cache", True), "prefix_cache_grace_s": grace,
             "speculative": speculative_config(args), "cpus": pin_cpus(args.engine_cpus),
             **scheduling_config(args), **lora_config(args, base_aliases)}

@@ -78,4 +78,29 @@ def test_int4_engine_on_cuda(model_path, prompts):
                        SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert gpu.engine.runner.model.weight_layouts["down_proj"] == "int4"
+    assert gpu.engine.runner.decode_graphs.entries, "int4 weights + int8 KV decode steps were not captured"
     gpu.engine.check_integrity()
+
+
+def test_decode_graphs_match_eager_on_cuda(model_path, prompts):
+    """fp32 on the GPU: decode steps replayed as CUDA graphs give the eager engine's greedy
+    tokens and logprobs, while the batch shrinks through the buckets as requests end."""
+    from kvserve import LLM
+    from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
+    kwargs = dict(device="cuda", dtype="float32", kv_cache_bytes=2**30, max_num_seqs=16)
+    eager = LLM(model_path, cuda_graphs=False, **kwargs)
+    graphed = LLM(model_path, **kwargs)
+    assert eager.engine.runner.decode_graphs is None
+    chosen = [{"prompt_token_ids": p} for p in prompts[:12]]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True, logprobs=2) for i in range(12)]
+    ref = eager.generate(chosen, params)
+    ours = graphed.generate(chosen, params)
+    compare_greedy([r.outputs[0].token_ids for r in ref], [o.outputs[0].token_ids for o in ours],
+                   [top2_gaps_from_logprobs(r.outputs[0].logprobs) for r in ref])
+    for o, r in zip(ours, ref):
+        for a, b in zip(o.outputs[0].logprobs, r.outputs[0].logprobs):
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in set(a) & set(b))
+    graphs = graphed.engine.runner.decode_graphs
+    assert {rows for rows, _ in graphs.entries} >= {16, 8, 4, 2, 1}
+    assert all(e.graph is not None for e in graphs.entries.values())
+    graphed.engine.check_integrity()
