@@ -25,11 +25,6 @@ def check_layout(resolved, model_config, speculative_method: str | None) -> None
     if speculative_method == "self":
         raise InvalidRequestError("self-speculation drafts with the target's own (sharded) layers: use "
                                   "ngram or a draft model with tensor parallelism", param="speculative")
-    if resolved.quantization != "none":
-        # a row-parallel shard's per-channel scales would come from its slice of the inputs, not
-        # the whole row: a different quantisation (measured: logprobs 0.06-0.15 off TP=1's)
-        raise InvalidRequestError("weight quantisation of tensor-parallel shards is not supported yet",
-                                  param="quantization")
 
 
 class TensorParallelLaunch:
@@ -42,6 +37,7 @@ class TensorParallelLaunch:
         spec = RankSpec(model_path, resolved.device, resolved.dtype, resolved.quantization,
                         resolved.kv_cache_dtype, resolved.block_size, resolved.attention_backend,
                         resolved.num_threads, tp, store_path, bandwidth)
+        self.quantization = resolved.quantization
         self.workers = start_workers(spec)
         try:
             self.group = RankGroup(store, 0, tp, resolved.device)
@@ -53,7 +49,7 @@ class TensorParallelLaunch:
 
     def shard(self, model) -> TensorParallelModel:
         """Rank 0's shard of the loaded plain model."""
-        return TensorParallelModel(model, self.group)
+        return TensorParallelModel(model, self.group, self.quantization)
 
     def share_kv_plan(self, kv_plan) -> None:
         """Every rank allocates ``kv_plan.num_blocks`` blocks of its own KV heads."""

@@ -80,7 +80,7 @@ def worker_main(rank: int, spec: RankSpec, parent_pid: int) -> None:
     group = RankGroup(join_store(spec.world_size, spec.store_path), rank, spec.world_size, device.type)
     try:
         model = load_model(load_checkpoint(spec.model), device, dtype, spec.quantization, spec.bandwidth,
-                           transform=lambda m: TensorParallelModel(m, group))
+                           transform=lambda m: TensorParallelModel(m, group, spec.quantization))
         kv_plan = group.broadcast_object()
         kv_cache = allocate_kv_cache(model.rank_config, kv_plan, spec.kv_cache_dtype, device, dtype)
         backend = attention_backend(spec.attention_backend, model.rank_config)

@@ -98,7 +98,18 @@ class RowParallel(Projection):
         return out.add_(self.forward(x))
 
 
-def _shard_attention(attn: LlamaAttention, group, tp: int) -> None:
+def _row_parallel(proj: Projection, lo: int, hi: int, group, quantization: str) -> RowParallel:
+    """Input features ``[lo, hi)`` of ``proj`` as a row-parallel shard. With weight
+    quantisation the whole weight is quantised first and its codes split, so each output
+    channel keeps the scale of its whole row (as at TP=1), not one of its slice."""
+    shard = RowParallel(proj.weight[:, lo:hi].contiguous(), proj.bias, group)
+    if quantization != "none":
+        from kvserve.quant.formats import as_format
+        shard.quantized_weight = as_format(proj.weight, quantization).cols(lo, hi)
+    return shard
+
+
+def _shard_attention(attn: LlamaAttention, group, tp: int, quantization: str) -> None:
     rank, d = group.rank, attn.head_dim
     heads, kv_heads = attn.num_heads // tp, kv_heads_per_gpu(attn.num_kv_heads, tp)
     q0 = rank * heads
@@ -107,20 +118,18 @@ def _shard_attention(attn: LlamaAttention, group, tp: int) -> None:
     ranges = [(q0 * d, (q0 + heads) * d), (q + kv0 * d, q + (kv0 + kv_heads) * d),
               (q + kv + kv0 * d, q + kv + (kv0 + kv_heads) * d)]
     attn.qkv_proj = _projection(_rows(attn.qkv_proj.weight, ranges), _rows(attn.qkv_proj.bias, ranges))
-    o = attn.o_proj
-    attn.o_proj = RowParallel(o.weight[:, q0 * d:(q0 + heads) * d].contiguous(), o.bias, group)
+    attn.o_proj = _row_parallel(attn.o_proj, q0 * d, (q0 + heads) * d, group, quantization)
     attn.num_heads, attn.num_kv_heads = heads, kv_heads
     attn.q_size, attn.kv_size = heads * d, kv_heads * d
 
 
-def _shard_mlp(mlp: SwiGLUMLP, group, tp: int) -> None:
+def _shard_mlp(mlp: SwiGLUMLP, group, tp: int, quantization: str) -> None:
     inter = mlp.intermediate_size
     width = inter // tp
     lo = group.rank * width
     mlp.gate_up_proj = _projection(_rows(mlp.gate_up_proj.weight, [(lo, lo + width), (inter + lo, inter + lo + width)]),
                                    None)
-    down = mlp.down_proj
-    mlp.down_proj = RowParallel(down.weight[:, lo:lo + width].contiguous(), down.bias, group)
+    mlp.down_proj = _row_parallel(mlp.down_proj, lo, lo + width, group, quantization)
     mlp.intermediate_size = width
 
 
@@ -140,7 +149,7 @@ class TensorParallelModel(nn.Module):
     ``compute_logits`` with the same inputs at the same time (the collectives inside pair
     up); the results are the same on every rank."""
 
-    def __init__(self, model: LlamaForCausalLM, group):
+    def __init__(self, model: LlamaForCausalLM, group, quantization: str = "none"):
         super().__init__()
         tp = group.world_size
         check_tensor_parallel(model.config, tp)
@@ -153,9 +162,9 @@ class TensorParallelModel(nn.Module):
         model.embed_tokens = nn.Parameter(table, requires_grad=False)
         model.lm_head = _projection(head_rows, None)       # untied on every rank: its own rows
         for layer in model.layers:
-            _shard_attention(layer.self_attn, group, tp)
+            _shard_attention(layer.self_attn, group, tp, quantization)
             if isinstance(layer.mlp, SwiGLUMLP):
-                _shard_mlp(layer.mlp, group, tp)
+                _shard_mlp(layer.mlp, group, tp, quantization)
             else:                                          # a mixture of experts: expert parallel
                 layer.mlp = ExpertParallelBlock(layer.mlp, group)
 

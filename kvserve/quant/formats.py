@@ -39,6 +39,14 @@ class Int4Weight:
         """The rows ``index`` (a permutation or a selection), same groups."""
         return Int4Weight(self.codes[index], self.scales[index], self.zeros[index], self.group_size)
 
+    def cols(self, lo: int, hi: int) -> "Int4Weight":
+        """Input features ``[lo, hi)`` (a row-parallel shard); both ends on group boundaries."""
+        g = self.group_size
+        if lo % g or hi % g:
+            raise ValueError(f"int4 groups of {g} inputs cannot be split at [{lo}, {hi})")
+        return Int4Weight(self.codes[:, lo:hi].contiguous(), self.scales[:, lo // g:hi // g].contiguous(),
+                          self.zeros[:, lo // g:hi // g].contiguous(), g)
+
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """``[N, K]`` in ``dtype`` (float64: the reference the kernels are checked against)."""
         rows, cols = self.codes.shape
@@ -71,6 +79,10 @@ class Int8Weight:
 
     def rows(self, index: torch.Tensor) -> "Int8Weight":
         return Int8Weight(self.codes[index], self.scales[index])
+
+    def cols(self, lo: int, hi: int) -> "Int8Weight":
+        """Input features ``[lo, hi)`` (a row-parallel shard), with the whole rows' scales."""
+        return Int8Weight(self.codes[:, lo:hi].contiguous(), self.scales)
 
     def dequantize(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         return self.codes.to(dtype) * self.scales.to(dtype)[:, None]
