@@ -128,7 +128,7 @@ def build_engine(config: EngineConfig, checkpoint=None) -> EngineCore:
     launch = None
     if resolved.tensor_parallel_size > 1:
         from kvserve.parallel.build import TensorParallelLaunch, check_layout
-        check_layout(resolved, mc, spec.method if spec else None)
+        check_layout(resolved, mc)
     if resolved.num_threads:
         torch.set_num_threads(resolved.num_threads)
     device = torch.device(resolved.device)
@@ -226,7 +226,8 @@ def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: fl
                              constraints, build_decode_graphs(resolved, model, kv_cache, rank_config, batch))
     speculator = None
     if spec:
-        ctx = ProposerContext(spec, model, mc, kv_cache, kv_plan.num_blocks, resolved.block_size,
-                              resolved.attention_backend, device, dtype, resolved.seed, draft)
+        ctx = ProposerContext(spec, model, rank_config, kv_cache, kv_plan.num_blocks, resolved.block_size,
+                              resolved.attention_backend, device, dtype, resolved.seed, draft,
+                              launch.draft_runner if launch else None)
         speculator = build_speculator(spec, ctx, verifier, step_time)
     return EngineCore(resolved, mc, kv_plan, scheduler, runner, speculator, adapters, step_time, constraints)

@@ -2,18 +2,19 @@
 the workers, rank 0's group, the shard transform and the driving runner."""
 from __future__ import annotations
 
+import functools
 import logging
 
 from kvserve.errors import InvalidRequestError
 from kvserve.parallel.group import RankGroup, open_store
 from kvserve.parallel.ranks import RankSpec, start_workers
-from kvserve.parallel.runner import TensorParallelRunner
+from kvserve.parallel.runner import TensorParallelDraftRunner, TensorParallelRunner
 from kvserve.parallel.tensor_parallel import TensorParallelModel, check_tensor_parallel
 
 logger = logging.getLogger("kvserve.parallel")
 
 
-def check_layout(resolved, model_config, speculative_method: str | None) -> None:
+def check_layout(resolved, model_config) -> None:
     """Refuse, with the reason, what this tensor-parallel layout cannot run."""
     tp = resolved.tensor_parallel_size
     check_tensor_parallel(model_config, tp)
@@ -22,9 +23,6 @@ def check_layout(resolved, model_config, speculative_method: str | None) -> None
     if resolved.lora is not None:
         raise InvalidRequestError("LoRA adapters are not sharded across tensor-parallel ranks yet: "
                                   "use tensor_parallel_size 1 with LoRA", param="tensor_parallel_size")
-    if speculative_method == "self":
-        raise InvalidRequestError("self-speculation drafts with the target's own (sharded) layers: use "
-                                  "ngram or a draft model with tensor parallelism", param="speculative")
 
 
 class TensorParallelLaunch:
@@ -58,6 +56,11 @@ class TensorParallelLaunch:
     def runner(self, *args, **kwargs) -> TensorParallelRunner:
         """The runner on rank 0 that drives the others (``ModelRunner``'s arguments)."""
         return TensorParallelRunner(*args, group=self.group, workers=self.workers, **kwargs)
+
+    def draft_runner(self, num_layers: int):
+        """A factory (``ModelRunner``'s arguments) of rank 0's self-draft runner over the
+        shard's first ``num_layers`` layers, driving the same layers on the other ranks."""
+        return functools.partial(TensorParallelDraftRunner, group=self.group, num_layers=num_layers)
 
     def _terminate(self) -> None:
         for proc in self.workers:

@@ -97,8 +97,14 @@ def attention_backend(name: str, rank_config):
 
 
 def serve_commands(group, runner) -> None:
-    """Run rank 0's commands on this rank's ``runner`` until ``stop``."""
+    """Run rank 0's commands on this rank's ``runner`` until ``stop``. ``draft_forward``
+    runs the shard's first layers (a self-draft) on a runner of the truncated view, built
+    on first use and sharing the runner's KV tensor and attention backend."""
     import torch
+
+    from kvserve.engine.model_runner import ModelRunner
+    from kvserve.speculative.draft import truncated_model
+    draft_runners: dict[int, ModelRunner] = {}
     while True:
         command, arg = group.broadcast_object()
         if command == "stop":
@@ -106,6 +112,12 @@ def serve_commands(group, runner) -> None:
         with torch.inference_mode():
             if command == "forward":
                 runner._forward(arg)
+            elif command == "draft_forward":
+                layers, works = arg
+                if layers not in draft_runners:
+                    draft_runners[layers] = ModelRunner(truncated_model(runner.model, layers), runner.kv_cache[:layers],
+                                                        runner.backend, runner.block_size, runner.device)
+                draft_runners[layers]._forward(works)
             elif command == "logits":
                 runner.logits(arg)
             elif command == "copy":

@@ -67,3 +67,22 @@ class TensorParallelRunner(ModelRunner):
             except subprocess.TimeoutExpired:
                 proc.terminate()
                 proc.wait(timeout_s)
+
+
+class TensorParallelDraftRunner(ModelRunner):
+    """Rank 0's runner of a self-draft under tensor parallelism: forwards of the shard's
+    first ``num_layers`` layers (``model`` is the truncated view), each announced to the
+    other ranks as ``draft_forward`` so they run the same layers of their shards; vocabulary
+    projections as the target's (``logits``). The draft reads the target's KV: no copies."""
+
+    def __init__(self, *args, group, num_layers: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group, self.num_layers = group, num_layers
+
+    def _forward(self, items):
+        self.group.broadcast_object(("draft_forward", (self.num_layers, [ForwardWork.of(s) for s in items])))
+        return super()._forward(items)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast_object(("logits", hidden))
+        return super().logits(hidden)

@@ -21,6 +21,8 @@ scheduler and its block ids are the same on every rank.
 """
 from __future__ import annotations
 
+import copy
+
 import dataclasses
 
 import torch
@@ -185,6 +187,15 @@ class TensorParallelModel(nn.Module):
         x = F.embedding(local.clamp(0, self.vocab_rows - 1), self.model.embed_tokens)
         x.mul_(held.unsqueeze(1).to(x.dtype))
         return self.model.forward_embedded(self.group.all_reduce_(x), positions, kv_cache, backend, meta)
+
+    def truncated(self, num_layers: int) -> "TensorParallelModel":
+        """A view running only this shard's first ``num_layers`` decoder layers (the
+        self-draft); parameters and the group are shared, nothing is copied."""
+        from kvserve.speculative.draft import truncated_model
+        view = copy.copy(self)
+        view._modules = dict(self._modules)
+        view._modules["model"] = truncated_model(self.model, num_layers)
+        return view
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [S, hidden] -> logits [S, vocab] in fp32 (each rank's rows, gathered)."""

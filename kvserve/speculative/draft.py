@@ -39,9 +39,12 @@ from kvserve.speculative.verify import target_distributions
 
 def truncated_model(model: nn.Module, num_layers: int) -> nn.Module:
     """A view of ``model`` running only its first ``num_layers`` decoder layers (then
-    its final norm and head); parameters are shared, nothing is copied."""
+    its final norm and head); parameters are shared, nothing is copied. A model that wraps
+    another (a tensor-parallel shard) truncates itself (its ``truncated``)."""
     if not 1 <= num_layers <= len(model.layers):
         raise ValueError(f"self-draft layers must be in [1, {len(model.layers)}], got {num_layers}")
+    if hasattr(model, "truncated"):
+        return model.truncated(num_layers)
     view = copy.copy(model)
     view._modules = dict(model._modules)
     view._modules["layers"] = nn.ModuleList(list(model.layers)[:num_layers])
@@ -54,8 +57,9 @@ class DraftModelProposer:
     uses_model = True            # draft passes cost time: the controller models them
 
     def __init__(self, model: nn.Module, kv_cache: torch.Tensor, backend, block_size: int,
-                 device: torch.device, shares_target_kv: bool, seed: int = 0):
-        self.runner = ModelRunner(model, kv_cache, backend, block_size, device)
+                 device: torch.device, shares_target_kv: bool, seed: int = 0, runner_factory=ModelRunner):
+        # runner_factory: a tensor-parallel self-draft's runner also drives the other ranks
+        self.runner = runner_factory(model, kv_cache, backend, block_size, device)
         self.shares_target_kv = shares_target_kv
         self.device = device
         self._computed: dict[int, int] = {}          # seq_id -> positions with draft KV (own KV only)
@@ -177,8 +181,10 @@ def build_self_draft(ctx: ProposerContext) -> DraftModelProposer:
     if layers > mc.num_layers:
         raise InvalidRequestError(f"self:{layers}: the model has {mc.num_layers} layers", param="speculative")
     backend = get_backend(ctx.attention_backend, mc.num_heads, mc.num_kv_heads, mc.head_dim)
+    factory = ctx.sharded_runner(layers) if ctx.sharded_runner else ModelRunner
     return DraftModelProposer(truncated_model(ctx.target_model, layers), ctx.kv_cache[:layers], backend,
-                              ctx.block_size, ctx.device, shares_target_kv=True, seed=ctx.seed)
+                              ctx.block_size, ctx.device, shares_target_kv=True, seed=ctx.seed,
+                              runner_factory=factory)
 
 
 def build_draft_model(ctx: ProposerContext) -> DraftModelProposer:

@@ -55,6 +55,9 @@ class ProposerContext:
     dtype: object
     seed: int
     draft_model: object = None
+    # tensor parallelism: layers -> a runner factory (ModelRunner's arguments) whose forwards of
+    # the target's first ``layers`` also run on the other ranks; None with one rank
+    sharded_runner: Callable | None = None
 
 
 @dataclass(frozen=True)

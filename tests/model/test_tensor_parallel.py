@@ -5,8 +5,8 @@ split 2 ways, Qwen2 with q/k/v biases, a tied head and one KV head replicated on
 ranks. 32 prompts with shared prefixes through a KV budget small enough to preempt, with
 the prefix cache and speculation on (the same weights, unsharded, drafting on rank 0):
 greedy ids equal to TP=1, chosen-token logprobs within 1e-4; int8 and int4 weights at TP=2
-against the same scheme at TP=1 (within the kernels' bf16 rounding). Also SmolLM2 at TP=3, a
-rank that dies, and ``close()`` stopping the workers.
+against the same scheme at TP=1 (within the kernels' bf16 rounding); a self-draft at TP=2.
+Also SmolLM2 at TP=3, a rank that dies, and ``close()`` stopping the workers.
 """
 from __future__ import annotations
 
@@ -74,6 +74,26 @@ def test_tp2_equals_tp1(kind, tmp_path, model_path):
     assert stats.prefix_cache_hit_tokens > 0 and stats.speculation.num_proposed > 0
     assert workers and all(p.poll() is not None for p in workers), "close() stops the worker ranks"
     assert_same_greedy(ref, got)
+
+
+def test_self_speculation_tp2_equals_tp1(tmp_path, model_path):
+    """``self:1`` at TP=2: rank 0's draft runs the first layer of its shard and the other rank
+    runs the same layer of its own (``draft_forward``), reading the target's KV; greedy
+    output equals TP=1 without speculation."""
+    from kvserve import LLM
+    _save_tiny("qwen2", tmp_path, model_path)
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
+    outs = []
+    for tp, spec in ((1, None), (2, "self:1")):
+        llm = LLM(str(tmp_path), dtype="float32", kv_cache_bytes=2**22, tensor_parallel_size=tp,
+                  num_threads=1, speculative=spec)
+        try:
+            outs.append(llm.generate(_prompts()[:16], greedy))
+            if spec:
+                assert llm.engine.stats().speculation.num_proposed > 0
+        finally:
+            llm.engine.close()
+    assert_same_greedy(*outs)
 
 
 BF16_KERNEL_TOLERANCE = 0.25   # logprob: the quantised kernels round each rank's partial product to bf16
