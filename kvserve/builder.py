@@ -199,7 +199,8 @@ def _build_parts(config: EngineConfig, resolved, checkpoint, spec, bandwidth: fl
     adapters, batch = None, None
     if resolved.lora is not None:
         from kvserve.lora.build import build_lora
-        adapters, batch = build_lora(resolved.lora, model, mc, device, dtype)
+        slots = launch.adapter_slots(resolved.lora, mc, rank_config, device, dtype) if launch else None
+        adapters, batch = build_lora(resolved.lora, model, mc, device, dtype, slots)
     budget = resolved.kv_cache_bytes or default_kv_budget_bytes(
         device, model.weight_bytes() + (adapters.slots.nbytes if adapters else 0))
     if launch is not None:          # the replica's budget, split over its ranks

@@ -17,14 +17,14 @@ logger = logging.getLogger("kvserve.lora")
 
 
 def build_lora(settings: LoRASettings, model, model_config: ModelConfig, device: torch.device,
-               dtype: torch.dtype) -> tuple[LoRAManager, LoRABatch]:
-    """Preallocate ``max_loras`` slots, wrap the model's projections, load the start-up
-    adapters (a bad one is an ``AdapterLoadError`` at start). Mixture-of-experts models
-    have no LoRA roles for their expert MLPs: refused."""
+               dtype: torch.dtype, slots: AdapterSlots | None = None) -> tuple[LoRAManager, LoRABatch]:
+    """Preallocate ``max_loras`` slots (or take ``slots``: a tensor-parallel shard's), wrap the
+    model's projections, load the start-up adapters (a bad one is an ``AdapterLoadError`` at
+    start). Mixture-of-experts models have no LoRA roles for their expert MLPs: refused."""
     if model_config.moe is not None:
         raise InvalidRequestError(f"LoRA is not supported for the mixture-of-experts architecture "
                                   f"{model_config.architecture!r}", param="enable_lora")
-    slots = AdapterSlots(model_config, settings.max_loras, settings.max_lora_rank, device, dtype)
+    slots = slots or AdapterSlots(model_config, settings.max_loras, settings.max_lora_rank, device, dtype)
     manager = LoRAManager(model_config, slots, settings.max_cpu_loras)
     batch = LoRABatch(manager.slot_of, device)
     apply_lora(model, slots, batch)

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import logging
 
-from kvserve.errors import InvalidRequestError
 from kvserve.parallel.group import RankGroup, open_store
 from kvserve.parallel.ranks import RankSpec, start_workers
 from kvserve.parallel.runner import TensorParallelDraftRunner, TensorParallelRunner
@@ -15,14 +14,9 @@ logger = logging.getLogger("kvserve.parallel")
 
 
 def check_layout(resolved, model_config) -> None:
-    """Refuse, with the reason, what this tensor-parallel layout cannot run."""
-    tp = resolved.tensor_parallel_size
-    check_tensor_parallel(model_config, tp)
-    if tp == 1:
-        return
-    if resolved.lora is not None:
-        raise InvalidRequestError("LoRA adapters are not sharded across tensor-parallel ranks yet: "
-                                  "use tensor_parallel_size 1 with LoRA", param="tensor_parallel_size")
+    """Refuse, with the reason, a tensor-parallel size the model's heads, KV heads, MLP
+    width or experts cannot be split by (``check_tensor_parallel``)."""
+    check_tensor_parallel(model_config, resolved.tensor_parallel_size)
 
 
 class TensorParallelLaunch:
@@ -34,7 +28,8 @@ class TensorParallelLaunch:
         store, store_path = open_store(tp)
         spec = RankSpec(model_path, resolved.device, resolved.dtype, resolved.quantization,
                         resolved.kv_cache_dtype, resolved.block_size, resolved.attention_backend,
-                        resolved.num_threads, tp, store_path, bandwidth)
+                        resolved.num_threads, tp, store_path, bandwidth,
+                        resolved.lora.max_loras if resolved.lora else 0, resolved.lora.max_lora_rank if resolved.lora else 0)
         self.quantization = resolved.quantization
         self.workers = start_workers(spec)
         try:
@@ -56,6 +51,12 @@ class TensorParallelLaunch:
     def runner(self, *args, **kwargs) -> TensorParallelRunner:
         """The runner on rank 0 that drives the others (``ModelRunner``'s arguments)."""
         return TensorParallelRunner(*args, group=self.group, workers=self.workers, **kwargs)
+
+    def adapter_slots(self, settings, config, rank_config, device, dtype):
+        """Rank 0's LoRA slots (``build_lora``'s ``slots``): its shard's, each write sent to the ranks."""
+        from kvserve.parallel.lora_shards import ShardedAdapterSlots
+        return ShardedAdapterSlots(config, rank_config, settings.max_loras, settings.max_lora_rank, device, dtype,
+                                   self.group)
 
     def draft_runner(self, num_layers: int):
         """A factory (``ModelRunner``'s arguments) of rank 0's self-draft runner over the

@@ -45,6 +45,8 @@ class RankSpec:
     world_size: int
     store_path: str
     bandwidth: float            # bytes/s, rank 0's measurement (for the log only)
+    lora_slots: int = 0         # LoRA: resident adapter slots (0: LoRA off) and their largest rank
+    lora_max_rank: int = 0
 
 
 def rank_device(device: str, rank: int):
@@ -84,7 +86,13 @@ def worker_main(rank: int, spec: RankSpec, parent_pid: int) -> None:
         kv_plan = group.broadcast_object()
         kv_cache = allocate_kv_cache(model.rank_config, kv_plan, spec.kv_cache_dtype, device, dtype)
         backend = attention_backend(spec.attention_backend, model.rank_config)
-        serve_commands(group, ModelRunner(model, kv_cache, backend, spec.block_size, device))
+        handlers, batch = {}, None
+        if spec.lora_slots:
+            from kvserve.parallel.lora_shards import RankAdapters
+            adapters = RankAdapters(model, spec.lora_slots, spec.lora_max_rank, device, dtype, rank, spec.world_size)
+            handlers["lora_write"], batch = adapters.write, adapters.batch
+        serve_commands(group, ModelRunner(model, kv_cache, backend, spec.block_size, device, batch_context=batch),
+                       handlers)
     except Exception:               # rank 0 gone mid-collective, or a broken shard: leave loudly
         logger.exception("tensor-parallel rank %d stops", rank)
         raise
@@ -96,10 +104,11 @@ def attention_backend(name: str, rank_config):
     return get_backend(name, rank_config.num_heads, rank_config.num_kv_heads, rank_config.head_dim)
 
 
-def serve_commands(group, runner) -> None:
+def serve_commands(group, runner, handlers: dict | None = None) -> None:
     """Run rank 0's commands on this rank's ``runner`` until ``stop``. ``draft_forward``
     runs the shard's first layers (a self-draft) on a runner of the truncated view, built
-    on first use and sharing the runner's KV tensor and attention backend."""
+    on first use and sharing the runner's KV tensor and attention backend; ``handlers``
+    (command -> callable of its argument) serves the rest (``lora_write``)."""
     import torch
 
     from kvserve.engine.model_runner import ModelRunner
@@ -122,6 +131,8 @@ def serve_commands(group, runner) -> None:
                 runner.logits(arg)
             elif command == "copy":
                 runner.copy_blocks(arg)
+            elif handlers and command in handlers:
+                handlers[command](arg)
             else:
                 raise RuntimeError(f"unknown rank command {command!r}")
 

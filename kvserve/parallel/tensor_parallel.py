@@ -90,10 +90,20 @@ class RowParallel(Projection):
         self.row_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
+    partial_sums = True     # a wrapper adding to the product adds to ``partial`` (LoRA: lora/layer.py)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in / tp] -> this rank's partial product [T, out]."""
+        return super().forward(x)
+
+    def reduce_(self, y: torch.Tensor) -> torch.Tensor:
+        """Partial products summed over the ranks (in place), plus the bias, once."""
+        y = self.group.all_reduce_(y)
+        return y if self.row_bias is None else y.add_(self.row_bias)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / tp] -> [T, out], the same on every rank."""
-        y = self.group.all_reduce_(super().forward(x))
-        return y if self.row_bias is None else y.add_(self.row_bias)
+        return self.reduce_(self.partial(x))
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T`` (``out`` is the residual stream, the same on every rank)."""
@@ -111,11 +121,18 @@ def _row_parallel(proj: Projection, lo: int, hi: int, group, quantization: str) 
     return shard
 
 
-def _shard_attention(attn: LlamaAttention, group, tp: int, quantization: str) -> None:
-    rank, d = group.rank, attn.head_dim
-    heads, kv_heads = attn.num_heads // tp, kv_heads_per_gpu(attn.num_kv_heads, tp)
+def head_ranges(num_heads: int, num_kv_heads: int, rank: int, tp: int) -> tuple[int, int, int, int]:
+    """Rank ``rank``'s attention heads: (first q head, q heads, first KV head, KV heads); the
+    KV heads its q heads read, replicated across ranks when ``tp`` exceeds ``num_kv_heads``."""
+    heads, kv_heads = num_heads // tp, kv_heads_per_gpu(num_kv_heads, tp)
     q0 = rank * heads
-    kv0 = rank * kv_heads if attn.num_kv_heads % tp == 0 else q0 // (attn.num_heads // attn.num_kv_heads)
+    kv0 = rank * kv_heads if num_kv_heads % tp == 0 else q0 // (num_heads // num_kv_heads)
+    return q0, heads, kv0, kv_heads
+
+
+def _shard_attention(attn: LlamaAttention, group, tp: int, quantization: str) -> None:
+    d = attn.head_dim
+    q0, heads, kv0, kv_heads = head_ranges(attn.num_heads, attn.num_kv_heads, group.rank, tp)
     q, kv = attn.q_size, attn.kv_size
     ranges = [(q0 * d, (q0 + heads) * d), (q + kv0 * d, q + (kv0 + kv_heads) * d),
               (q + kv + kv0 * d, q + kv + (kv0 + kv_heads) * d)]

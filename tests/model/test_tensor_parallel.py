@@ -5,7 +5,8 @@ split 2 ways, Qwen2 with q/k/v biases, a tied head and one KV head replicated on
 ranks. 32 prompts with shared prefixes through a KV budget small enough to preempt, with
 the prefix cache and speculation on (the same weights, unsharded, drafting on rank 0):
 greedy ids equal to TP=1, chosen-token logprobs within 1e-4; int8 and int4 weights at TP=2
-against the same scheme at TP=1 (within the kernels' bf16 rounding); a self-draft at TP=2.
+against the same scheme at TP=1 (within the kernels' bf16 rounding); a self-draft and LoRA
+adapters at TP=2.
 Also SmolLM2 at TP=3, a rank that dies, and ``close()`` stopping the workers.
 """
 from __future__ import annotations
@@ -94,6 +95,41 @@ def test_self_speculation_tp2_equals_tp1(tmp_path, model_path):
         finally:
             llm.engine.close()
     assert_same_greedy(*outs)
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_lora_tp2_equals_tp1(kind, tmp_path, model_path):
+    """Three PEFT adapters (every projection at rank 8, q/v at rank 4, o/down at rank 2) and
+    base rows in the same steps, through two resident slots (adapters swap in and out), at
+    TP=2: each rank holds its shard of every slot and the row-parallel deltas join the base's
+    all-reduce; greedy ids and logprobs equal TP=1's."""
+    from kvserve import LLM, LoRARequest
+    from tests.support.lora_adapters import hf_base_model, make_adapter
+    folder = tmp_path / "model"
+    _save_tiny(kind, folder, model_path)
+    base = hf_base_model(str(folder))
+    every = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    adapters = {"all": make_adapter(base, str(tmp_path / "all"), r=8, targets=every, seed=1, scale_b=20.0),
+                "qv": make_adapter(base, str(tmp_path / "qv"), r=4, seed=2, scale_b=20.0),
+                "rows": make_adapter(base, str(tmp_path / "rows"), r=2, targets=("o_proj", "down_proj"), seed=3,
+                                     scale_b=20.0)}
+    names = [None, "all", "qv", "rows"]
+    requests = [LoRARequest(names[i % 4], adapters[names[i % 4]]) if names[i % 4] else None for i in range(16)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    outs = []
+    for tp in (1, 2):
+        llm = LLM(str(folder), dtype="float32", kv_cache_bytes=2**22, tensor_parallel_size=tp, num_threads=1,
+                  enable_lora=True, max_loras=2, max_lora_rank=8)
+        try:
+            outs.append(llm.generate(_prompts()[:16], greedy, lora_request=requests))
+            assert llm.engine.stats().adapters.num_slot_evictions > 0, "two slots for three adapters must swap"
+            if tp == 1:
+                plain = llm.generate(_prompts()[:16], greedy)
+        finally:
+            llm.engine.close()
+    assert_same_greedy(*outs)
+    changed = [o.outputs[0].token_ids != p.outputs[0].token_ids for o, p, r in zip(outs[0], plain, requests) if r]
+    assert sum(changed) >= 10, "the adapters must change the outputs"
 
 
 BF16_KERNEL_TOLERANCE = 0.25   # logprob: the quantised kernels round each rank's partial product to bf16
