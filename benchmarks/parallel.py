@@ -8,7 +8,9 @@ every layout, measured in the same run:
   tokens, 64 output tokens, greedy, prefix cache off. TP=1 with 2 threads and with 1, TP=2
   with 1 thread per rank (2 cores). Prefill seconds from a ``max_tokens=1`` run of the same
   prompts; TPOT = (total - prefill) / 63 decode steps; the collectives' share is rank 0's
-  seconds inside all-reduce / all-gather over the run's seconds.
+  seconds inside all-reduce / all-gather over the run's seconds; and the planner's all-reduce
+  time for the decode steps on a link fitted to this host's measured all-reduces (the fit
+  ``kvserve profile --tensor-parallel 2`` stores) against the measured seconds.
 - **EP**: a random-initialised Qwen2-MoE (16 experts, top-2, shared expert), EP=2 (experts
   8 + 8) vs one process, batches of 1..64 decoding sequences: the share of the run spent in
   the sparse layers' collectives (two all-to-alls and an all-gather), their per-forward p50
@@ -97,7 +99,29 @@ def tp_layout(folder: str, tp: int, threads: int, prompts, output_tokens: int) -
             "output_tokens_per_s": round(len(prompts) * output_tokens / total_s, 1),
             "tpot_ms": round(decode_s / (output_tokens - 1) * 1e3, 2),
             "collective_share_prefill": round((c1 - c0) / prefill_s, 3),
-            "collective_share_run": round((c2 - c1) / total_s, 3)}
+            "collective_share_run": round((c2 - c1) / total_s, 3),
+            "collective_s_decode": round((c2 - c1) - (c1 - c0), 4)}
+
+
+def planner_collectives(folder: str, batch: int, decode_steps: int, measured_s: float) -> dict:
+    """The planner's all-reduce time for the TP=2 run's decode steps (``roofline.allreduce_s``:
+    two per layer of [batch, hidden]) on a link fitted to this host's measured all-reduces
+    (``kvserve profile --tensor-parallel 2``'s measurement), against the run's measured seconds
+    in collectives (which also hold the embedding's all-reduce and the logits' all-gather)."""
+    from kvserve.loader import load_checkpoint
+    from kvserve.parallel.collective_bench import fit_link, measure_allreduce
+    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+    from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.profile import model_from_engine
+    from kvserve.planner.roofline import allreduce_s, cost_model
+    latency, link = fit_link(measure_allreduce(2), 2)
+    hw = HardwareSpec(name="this host, 2 ranks", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11},
+                      interconnect_bw=link, interconnect_latency_s=latency, gpus_per_node=2)
+    model = model_from_engine(load_checkpoint(folder).config)
+    predicted = decode_steps * allreduce_s(cost_model(model, hw, weight_dtype("fp32"), kv_dtype("fp32"), 2), batch)
+    return {"fitted_latency_us": round(latency * 1e6, 1), "fitted_link_GBps": round(link / 1e9, 2),
+            "predicted_decode_collective_s": round(predicted, 4), "measured_decode_collective_s": round(measured_s, 4),
+            "predicted_over_measured": round(predicted / measured_s, 3) if measured_s > 0 else None}
 
 
 def bench_tp(quick: bool) -> dict:
@@ -110,10 +134,12 @@ def bench_tp(quick: bool) -> dict:
     runs = [tp_layout(folder, 1, 2, prompts, output_tokens), tp_layout(folder, 1, 1, prompts, output_tokens),
             tp_layout(folder, 2, 1, prompts, output_tokens)]
     tp1, tp2 = runs[0], runs[2]
+    planner = planner_collectives(folder, count, output_tokens - 1, tp2["collective_s_decode"])
     return {"model": "random Llama, SmolLM2-135M shape with 8 heads / 4 KV heads (fp32)",
             "requests": count, "prompt_tokens": 128, "output_tokens": output_tokens, "runs": runs,
             "tp2_vs_tp1_2threads": {"throughput": round(tp2["output_tokens_per_s"] / tp1["output_tokens_per_s"], 3),
-                                    "tpot": round(tp2["tpot_ms"] / tp1["tpot_ms"], 3)}}
+                                    "tpot": round(tp2["tpot_ms"] / tp1["tpot_ms"], 3)},
+            "planner_collectives_tp2": planner}
 
 
 def ep_batch(llm, prompts, output_tokens: int) -> dict:

@@ -229,6 +229,9 @@ def register(subparsers) -> None:
     q.add_argument("--threads", type=int, help="engine CPU threads (default: the engine's default)")
     q.add_argument("--repeats", type=int, default=2, help="time each run this many times, keep the best")
     q.add_argument("--clock", default="auto", help="auto (cpu with --threads 1, else wall), wall or cpu")
+    q.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
+                   help="also time the engine's all-reduce among N local ranks and fit the link the planner's "
+                        "tensor-parallel cost reads (interconnect latency and bandwidth)")
     q.add_argument("--price-per-hour", type=float, default=0.0)
     q.add_argument("--json", action="store_true", help="print the saved entry as JSON")
     q.set_defaults(func=run_profile)

@@ -203,7 +203,7 @@ def refit_entry(hw: HardwareSpec) -> HardwareSpec:
                               gemv_efficiency=None, step_overhead_s=0.0, seq_overhead_s=0.0,
                               request_overhead_s=0.0)
     out = calibrate_engine(raw, facts, samples)
-    keep = {k: cal[k] for k in ("bandwidth", "gemm", "clock", "load_average_1m") if k in cal}
+    keep = {k: cal[k] for k in ("bandwidth", "gemm", "clock", "load_average_1m", "allreduce") if k in cal}
     return dataclasses.replace(out, calibration=MappingProxyType({**out.calibration, **keep}))
 
 
@@ -224,9 +224,29 @@ def measure(args) -> HardwareSpec:
         samples = time_runs(generate, QUICK_RUNS if args.quick else FULL_RUNS, facts["model"].vocab_size,
                             repeats=getattr(args, "repeats", 2) or 1, clock=clock)
         hw = calibrate_engine(hw, facts, samples)
-    return dataclasses.replace(hw, calibration=MappingProxyType(
+    hw = dataclasses.replace(hw, calibration=MappingProxyType(
         {**hw.calibration, "bandwidth": bw, "gemm": gemm, "threads": threads, "clock": clock,
          "load_average_1m": round(os.getloadavg()[0], 2)}))
+    ranks = getattr(args, "tensor_parallel", None) or 1
+    return calibrate_allreduce(hw, ranks) if ranks > 1 else hw
+
+
+def calibrate_allreduce(hw: HardwareSpec, ranks: int) -> HardwareSpec:
+    """The entry with its link fitted to ``ranks`` local ranks' measured all-reduces
+    (``kvserve.parallel.collective_bench``): ``interconnect_latency_s`` and ``interconnect_bw``
+    as ``roofline.allreduce_s`` reads them, ``gpus_per_node`` = ``ranks`` (they share the link),
+    and the samples in the calibration."""
+    import torch
+
+    from kvserve.parallel.collective_bench import fit_link, measure_allreduce
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
+    print(f"timing all-reduces among {ranks} {device} ranks ...", flush=True)
+    samples = measure_allreduce(ranks, device=device)
+    latency, link = fit_link(samples, ranks)
+    record = {"ranks": ranks, "device": device, "latency_s": latency, "bytes_per_s": link,
+              "samples": [[b, s] for b, s in samples]}
+    return dataclasses.replace(hw, interconnect_bw=link, interconnect_latency_s=latency, gpus_per_node=ranks,
+                               calibration=MappingProxyType({**hw.calibration, "allreduce": record}))
 
 
 def summary(hw: HardwareSpec) -> list[str]:
@@ -244,6 +264,10 @@ def summary(hw: HardwareSpec) -> list[str]:
                      f"{hw.request_overhead_s * 1e3:.2f} ms/request; rms error {cal['rms_relative_error']:.1%} "
                      f"({cal.get('clock', 'wall')} clock)")
         lines += [f"  {run}" for run in cal["runs"]]
+    if "allreduce" in cal:
+        ar = cal["allreduce"]
+        lines.append(f"all-reduce among {ar['ranks']} {ar['device']} ranks: {ar['latency_s'] * 1e6:.1f} us + bytes / "
+                     f"{ar['bytes_per_s'] / 1e9:.2f} GB/s (ring: 2 (n - 1) / n x bytes)")
     return lines
 
 

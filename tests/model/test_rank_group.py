@@ -41,3 +41,18 @@ def test_two_rank_collectives_on_loopback():
     assert group.comm_calls == 4 and group.comm_seconds > 0
     assert mine and set(mine) == {"127.0.0.1"}, mine
     assert set(theirs["listeners"]) <= {"127.0.0.1"}, theirs["listeners"]
+
+
+def test_profile_fits_the_link_to_measured_all_reduces():
+    """``kvserve profile --tensor-parallel 2``'s step: two ranks time the engine's all-reduce
+    and the entry gets the fitted latency and link the planner's TP cost reads."""
+    from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.profile import calibrate_allreduce, summary
+    raw = HardwareSpec(name="host", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11}, gpus_per_node=1)
+    hw = calibrate_allreduce(raw, 2)
+    record = hw.calibration["allreduce"]
+    assert record["ranks"] == 2 and len(record["samples"]) == 6
+    assert all(b > 0 and s > 0 for b, s in record["samples"])
+    assert hw.gpus_per_node == 2 and hw.interconnect_bw == record["bytes_per_s"] > 0
+    assert hw.interconnect_latency_s == record["latency_s"] >= 0
+    assert any(line.startswith("all-reduce among 2 cpu ranks") for line in summary(hw))
