@@ -22,7 +22,8 @@ forwarded answer says which served it (``x-kvserve-served-by: fleet|fallback``).
 
 ``GET /metrics`` is answered here: every replica's ``/metrics`` (scraped with the caller's
 headers, pinned to each replica the router knows, so the replicas' own auth applies),
-relabelled and summed, plus the ingress's series (``metrics.py``)."""
+relabelled and summed, the fallback model's replicas' too (labelled ``deployment="fallback"``,
+not in the sums), plus the ingress's series (``metrics.py``)."""
 from __future__ import annotations
 
 import asyncio
@@ -336,32 +337,49 @@ class Ingress:
         return head, body, route.get("decision") or {}
 
     async def _scrape(self, query: str, headers: list) -> Response:
-        """``GET /metrics``: one replica through the router (which names them all), then each
-        other one pinned; a replica that does not answer is left out (``kvserve_cluster_replicas``)."""
-        try:
-            head, body, decision = await self._fetch(self.fleet, "/metrics", query, headers, None)
-        except Exception as exc:
-            logger.warning("metrics scrape failed: %r", exc)
+        """``GET /metrics``: the fleet's replicas and the fallback model's (``_scrape_pool``),
+        relabelled and summed (``metrics.py``), then the ingress's own series. Both deployments
+        are scraped at once; a fallback that fails leaves the fleet's series answering."""
+        results = await asyncio.gather(*(self._scrape_pool(pool, query, headers) for pool in self._pools()),
+                                       return_exceptions=True)
+        if isinstance(results[0], BaseException):
+            logger.warning("metrics scrape failed: %r", results[0])
             return JSONResponse({"error": {"message": "no replica answered the metrics scrape", "type":
                                            "server_error", "param": None, "code": "replica_failed"}}, status_code=503)
+        head, body, scrapes, seen = results[0]
         if head["status"] != 200:                # the replicas' auth: /metrics is an admin route with admin keys
             return Response(body, status_code=head["status"],
                             headers={k: v for k, v in head["headers"] if k.lower() != "content-length"})
-        scrapes = {head.get("replica", ""): body.decode()}
-        others = [r for r in decision.get("replicas", ()) if r not in scrapes]
-        results = await asyncio.gather(*(self._fetch(self.fleet, "/metrics", query, headers, r) for r in others),
-                                       return_exceptions=True)
-        for replica, result in zip(others, results):
-            if not isinstance(result, BaseException) and result[0]["status"] == 200 \
-                    and result[0].get("replica") == replica:
-                scrapes[replica] = result[1].decode()
+        fallback, fallback_seen = {}, []
+        if len(results) > 1 and isinstance(results[1], BaseException):
+            logger.warning("fallback metrics scrape failed: %r", results[1])
+        elif len(results) > 1:
+            fallback, fallback_seen = results[1][2], results[1][3]
         self.metrics.update_breakers(*(pool.breakers for pool in self._pools()))
         if self.admission is not None:
             self.metrics.update_admission(self.admission)
         if self.degradation is not None:
             self.metrics.update_ladder(self.degradation)
-        text = self.metrics.render(scrapes, list(decision.get("replicas", scrapes)))
+        text = self.metrics.render(scrapes, seen, fallback, fallback_seen)
         return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
+
+    async def _scrape_pool(self, pool: Pool, query: str, headers: list) -> tuple[dict, bytes, dict, list]:
+        """One replica of ``pool`` through its router (which names them all), then each other
+        one pinned: (the first answer's head and body, replica -> /metrics text of those that
+        answered 200, the replicas the router knows). A replica that does not answer is left
+        out (``kvserve_cluster_replicas``); the first failing raises."""
+        head, body, decision = await self._fetch(pool, "/metrics", query, headers, None)
+        if head["status"] != 200:
+            return head, body, {}, []
+        scrapes = {head.get("replica", ""): body.decode()}
+        others = [r for r in decision.get("replicas", ()) if r not in scrapes]
+        results = await asyncio.gather(*(self._fetch(pool, "/metrics", query, headers, r) for r in others),
+                                       return_exceptions=True)
+        for replica, result in zip(others, results):
+            if not isinstance(result, BaseException) and result[0]["status"] == 200 \
+                    and result[0].get("replica") == replica:
+                scrapes[replica] = result[1].decode()
+        return head, body, scrapes, list(decision.get("replicas", scrapes))
 
     def _pools(self) -> list[Pool]:
         return [self.fleet] if self.fallback is None else [self.fleet, self.fallback]

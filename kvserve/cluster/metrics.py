@@ -53,8 +53,9 @@ def parse_families(text: str) -> list[Family]:
     return families
 
 
-def _labelled(labels: str, replica: str) -> str:
-    return "{" + f'replica="{_escape(replica)}"' + ("," + labels if labels else "") + "}"
+def _labelled(labels: str, replica: str, deployment: str | None = None) -> str:
+    own = f'replica="{_escape(replica)}"' + (f',deployment="{deployment}"' if deployment else "")
+    return "{" + own + ("," + labels if labels else "") + "}"
 
 
 def additive_families(metrics: ServerMetrics | None = None) -> set[str]:
@@ -64,21 +65,26 @@ def additive_families(metrics: ServerMetrics | None = None) -> set[str]:
     return {m.name for m in metrics.all_metrics() if getattr(m, "additive", True)}
 
 
-def render_replicas(scrapes: dict[str, str], additive: set[str]) -> str:
+def render_replicas(scrapes: dict[str, str], additive: set[str], fallback: dict[str, str] | None = None) -> str:
     """Each replica's series with its ``replica`` label (``scrapes``: replica id -> its
-    /metrics text), then the ``kvserve_cluster_`` sums of the families in ``additive``."""
-    merged: dict[str, tuple[Family, list[tuple[str, Family]]]] = {}
-    for replica, text in sorted(scrapes.items()):
+    /metrics text; ``fallback``: the fallback model's replicas, labelled
+    ``deployment="fallback"`` too), then the ``kvserve_cluster_`` sums over the fleet's
+    replicas of the families in ``additive`` (the fallback serves another model: not summed in)."""
+    merged: dict[str, tuple[Family, list[tuple[str, str | None, Family]]]] = {}
+    tagged = [(r, None, t) for r, t in sorted(scrapes.items())]
+    tagged += [(r, "fallback", t) for r, t in sorted((fallback or {}).items())]
+    for replica, deployment, text in tagged:
         for family in parse_families(text):
-            merged.setdefault(family.name, (family, []))[1].append((replica, family))
+            merged.setdefault(family.name, (family, []))[1].append((replica, deployment, family))
     lines = []
     for name, (first, per_replica) in merged.items():
         lines += [f"# HELP {name} {first.help}", f"# TYPE {name} {first.kind}"]
-        for replica, family in per_replica:
-            lines += [f"{s}{_labelled(labels, replica)} {value}" for s, labels, value in family.samples]
+        for replica, deployment, family in per_replica:
+            lines += [f"{s}{_labelled(labels, replica, deployment)} {value}" for s, labels, value in family.samples]
     for name, (first, per_replica) in merged.items():
-        if name in additive and name.startswith(SERVER_PREFIX):
-            lines += _sum_family(first, [family for _, family in per_replica])
+        fleet = [family for _, deployment, family in per_replica if deployment is None]
+        if name in additive and name.startswith(SERVER_PREFIX) and fleet:
+            lines += _sum_family(first, fleet)
     return "\n".join(lines) + "\n" if lines else ""
 
 
@@ -184,10 +190,14 @@ class ClusterMetrics:
         for name, ratio in controller.pressure_components().items():
             self.pressure.set(round(ratio, 6), signal=name)
 
-    def render(self, scrapes: dict[str, str], seen: list[str]) -> str:
-        """The ingress's ``/metrics``: the replicas' series (``scrapes``: replica -> its text),
-        their sums, then the ingress's own; ``seen``: the replicas the router knows."""
+    def render(self, scrapes: dict[str, str], seen: list[str], fallback: dict[str, str] | None = None,
+               fallback_seen: list[str] = ()) -> str:
+        """The ingress's ``/metrics``: the replicas' series (``scrapes``: replica -> its text;
+        ``fallback``: the fallback model's), the fleet's sums, then the ingress's own; ``seen`` /
+        ``fallback_seen``: the replicas each deployment's router knows."""
         self.replicas.values.clear()
         for replica in seen:
             self.replicas.set(1 if replica in scrapes else 0, replica=replica)
-        return render_replicas(scrapes, self.additive) + render_metrics(self.all)
+        for replica in fallback_seen:
+            self.replicas.set(1 if replica in (fallback or {}) else 0, replica=replica, deployment="fallback")
+        return render_replicas(scrapes, self.additive, fallback) + render_metrics(self.all)

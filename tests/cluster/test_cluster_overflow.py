@@ -5,7 +5,7 @@ climbs to ``overflow_chat``; then a chat request sent while the fleet's one deco
 taken is served by the fallback (``x-kvserve-served-by: fallback``), while chat requests
 with a free slot and interactive requests stay on the fleet and batch requests are still
 shed; the ingress's /metrics carries the rung, its engagements, the pressure (the fleet's
-KV use among it) and the overflowed count."""
+KV use among it), the overflowed count and the fallback replica's own series."""
 from __future__ import annotations
 
 import threading
@@ -81,6 +81,11 @@ def test_chat_beyond_the_fleet_overflows_to_the_fallback_model(cluster):
     assert held and held[0][0] == "fleet" and held[0][1][-1] == "data: [DONE]"
 
     samples = parse_metrics(httpx.get(cluster.url + "/metrics", timeout=60).text)
+    fallback_replica = overflowed.headers["x-kvserve-replica"]
+    own = f'replica="{fallback_replica}",deployment="fallback"'
+    finished = [v for k, v in samples.items() if k.startswith(f"kvserve_requests_finished_total{{{own},")]
+    assert sum(finished) >= 1                                                        # the fallback's own series
+    assert samples[f'kvserve_cluster_replicas{{deployment="fallback",replica="{fallback_replica}"}}'] == 1
     assert samples['kvserve_degradation_rung{name="overflow_chat"}'] == 4
     assert samples['kvserve_degradation_engagements_total{name="overflow_chat"}'] >= 1
     assert samples['kvserve_degradation_engagements_total{name="shed_batch"}'] >= 1

@@ -106,3 +106,15 @@ def test_breaker_states_and_the_rung_are_series():
     assert samples['kvserve_replica_breaker_state{replica="r1",state="half_open"}'] == 1
     assert not any('replica="r2"' in name for name in samples if name.startswith("kvserve_replica_breaker"))
     assert samples['kvserve_replica_breaker_state{replica="r3",state="closed"}'] == 1
+
+
+def test_fallback_replicas_are_labelled_and_left_out_of_the_fleet_sums():
+    scrapes = {"r1": _replica_text(3, [0.05], 0.5, 4)}
+    fallback = {"f1": _replica_text(2, [0.2], 0.0, 7)}
+    samples = parse_metrics(ClusterMetrics().render(scrapes, ["r1"], fallback, ["f1", "f2"]))
+    assert samples['kvserve_num_requests_running{replica="f1",deployment="fallback"}'] == 2
+    assert samples['kvserve_requests_finished_total{replica="f1",deployment="fallback",reason="stop"}'] == 7
+    assert samples["kvserve_cluster_num_requests_running"] == 3                  # the fleet's only
+    assert samples['kvserve_cluster_requests_finished_total{reason="stop"}'] == 4
+    assert samples['kvserve_cluster_replicas{deployment="fallback",replica="f1"}'] == 1
+    assert samples['kvserve_cluster_replicas{deployment="fallback",replica="f2"}'] == 0
