@@ -25,7 +25,7 @@ $(VENV)/.setup-done: $(BIN)/python pyproject.toml
 setup: $(VENV)/.setup-done
 
 test: setup
-	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest -q --durations=30
 
 # Tier 1 only (tests/unit): no model weights, no server process.
 test-fast: setup

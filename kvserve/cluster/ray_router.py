@@ -23,6 +23,7 @@ from ray.serve.request_router import PendingRequest, RequestRouter, RunningRepli
 
 from kvserve.engine.kv.cache_events import CacheNamespace
 from kvserve.router import Decision, ReplicaState, RouteRequest, RouterWeights, make_policy
+from kvserve.router.state import adapter_identity
 from kvserve.router.policies import PrefixAware
 
 logger = logging.getLogger("kvserve.cluster")
@@ -37,6 +38,7 @@ class KVServeRequestRouter(RequestRouter):
         self.policy = make_policy(policy, block_size, RouterWeights.parse(weights))
         self._blocks_seen: dict[str, float] = {}     # replica -> stats time its blocks were read at
         self._routed: dict[str, deque] = {}          # replica -> (wall time, uncached tokens) of requests sent
+        self._adapter_ids: dict[str, str] = {}       # LoRA adapter name -> identity, from the replicas' stats
 
     def _state(self, replica: RunningReplica) -> ReplicaState:
         stats = replica.routing_stats or {}
@@ -46,6 +48,7 @@ class KVServeRequestRouter(RequestRouter):
             self.policy.index.forget(name)
             self.policy.index.record(name, stats["blocks"])    # the replica's cache, as its events left it
             self._blocks_seen[name] = stats.get("time")
+        self._adapter_ids.update(stats.get("adapter_ids", {}))
         sent, sent_tokens = self._routed_since(name, stats.get("time", 0.0))
         return ReplicaState(name, int(stats.get("num_running", 0)), int(stats.get("num_waiting", 0)) + sent,
                             float(stats.get("kv_usage", 0.0)), int(stats.get("max_num_seqs", 0)),
@@ -104,6 +107,7 @@ class KVServeRequestRouter(RequestRouter):
             return Decision(pinned, self.policy.name, "pinned")
         if not any(s.routable for s in states):
             return None
+        adapter = adapter_identity(route.get("adapter"), self._adapter_ids)
         request = RouteRequest(tuple(route.get("tokens", ())),
-                               CacheNamespace(route.get("adapter"), 0, route.get("cache_salt")), route.get("session"))
+                               CacheNamespace(adapter, 0, route.get("cache_salt")), route.get("session"))
         return self.policy.choose(states, request)

@@ -64,7 +64,8 @@ class EngineReplica:
                 "queued_tokens": sum(r.num_uncached_tokens for r in live if not r.started),
                 "kv_usage": stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
                 "max_num_seqs": self.max_num_seqs, "block_size": info.block_size if info else 16,
-                "blocks": sorted(client.cached_blocks), "adapters": sorted(client.adapters), "time": time.time()}
+                "blocks": sorted(client.cached_blocks), "adapters": list(stats.adapters.resident_ids),
+                "adapter_ids": {name: a.get("id", name) for name, a in client.adapters.items()}, "time": time.time()}
 
     def record_autoscaling_stats(self) -> dict:
         """This replica's token counters and request gauges, as its ``/metrics`` shows them, for

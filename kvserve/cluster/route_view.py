@@ -14,7 +14,8 @@ GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
 
 def route_for(path: str, body: bytes, authorization: bytes | None, tokenizer, keys: dict) -> dict:
     """The router's view of a request: ``tokens`` (the first prompt's ids; empty when the
-    body is not a generation request the server would accept), ``cache_salt``, ``session``;
+    body is not a generation request the server would accept), ``cache_salt``, ``session``,
+    ``adapter`` (the body's model: the router resolves a LoRA adapter's name to its identity);
     and for the ladder ``tenant``, ``service_class`` (None: not a generation request) and
     ``model`` (the body's, for overflow)."""
     from kvserve.server import protocol
@@ -27,7 +28,7 @@ def route_for(path: str, body: bytes, authorization: bytes | None, tokenizer, ke
     try:
         values = json.loads(body)
         route["session"] = values.get("prompt_cache_key")
-        route["model"] = values.get("model")
+        route["model"] = route["adapter"] = values.get("model")     # the router tells an adapter's name
         route["service_class"] = request_class(values, grant.service_class if grant else None)
         if path == "/v1/chat/completions":
             spec = protocol.parse_chat(values)

@@ -43,6 +43,7 @@ class AdapterCounters:
     num_waiting_for_slot: int = 0         # sequences held back because no slot was free
     running_adapters: list[str] = field(default_factory=list)   # names with a running sequence
     waiting_adapters: list[str] = field(default_factory=list)   # names with a held-back sequence
+    resident_ids: list[str] = field(default_factory=list)       # identities (digests) in the slots now
 
 
 @dataclass(frozen=True)

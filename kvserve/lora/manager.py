@@ -123,7 +123,7 @@ class LoRAManager:
             num_slot_evictions=c["slot_evictions"], num_host_evictions=c["host_evictions"],
             disk_load_seconds=self._seconds["disk"], slot_load_seconds=self._seconds["slot"],
             num_waiting_for_slot=len(self._held_back), running_adapters=sorted(running),
-            waiting_adapters=sorted(waiting))
+            waiting_adapters=sorted(waiting), resident_ids=sorted(self._slot_of))
 
     def slot_of(self, key: str) -> int:
         """The resident slot of ``key`` (the batch context's lookup; it is resident while

@@ -23,7 +23,7 @@ class ReplicaState:
     kv_usage: float = 0.0
     max_num_seqs: int = 0
     queued_tokens: int = 0
-    resident_adapters: frozenset[str] = field(default_factory=frozenset)
+    resident_adapters: frozenset[str] = field(default_factory=frozenset)   # identities in its LoRA slots
     healthy: bool = True
     breaker_open: bool = False
 
@@ -36,6 +36,20 @@ class ReplicaState:
     def load(self) -> float:
         """Requests it holds per decode slot (1.0: every slot busy; above: a queue)."""
         return (self.num_running + self.num_waiting) / max(1, self.max_num_seqs)
+
+
+def adapter_identity(model: str | None, adapter_ids: dict[str, str]) -> str | None:
+    """The identity (the engine's key: the files' digest) of the LoRA adapter a request's
+    ``model`` names, from the replicas' loaded adapters ``{name: id}``, as the server selects
+    it (the name, or ``<base>:<name>``); None for the base model or a name no replica holds."""
+    if not model:
+        return None
+    if model in adapter_ids:
+        return adapter_ids[model]
+    for i, char in enumerate(model):
+        if char == ":" and model[i + 1:] in adapter_ids:
+            return adapter_ids[model[i + 1:]]
+    return None
 
 
 @dataclass(frozen=True)

@@ -172,6 +172,13 @@ class EngineClient:
         self._send(request)
         return tracked
 
+    def adapter_identity(self, name: str | None) -> str | None:
+        """The engine's key of the adapter loaded as ``name`` (its files' digest: what its cache
+        namespaces blocks by), as the last adapter listing said; the name if unlisted."""
+        if name is None:
+            return None
+        return self.adapters.get(name, {}).get("id", name)
+
     def _uncached_tokens(self, request: EngineRequest) -> int:
         """Prompt tokens past the longest prefix of full blocks the engine's cache holds now (by
         its cache events; weight epoch 0, as the router hashes). A waiting request whose history is
@@ -182,7 +189,7 @@ class EngineClient:
         from kvserve.engine.kv.cache_events import CacheNamespace
         from kvserve.router.index import request_block_hashes
         block_size = self.info.block_size
-        namespace = CacheNamespace(request.adapter_id, 0, request.cache_salt)
+        namespace = CacheNamespace(self.adapter_identity(request.adapter_id), 0, request.cache_salt)
         matched = 0
         for block in request_block_hashes(request.prompt_token_ids, namespace, block_size):
             if block not in self.cached_blocks:

@@ -1,6 +1,7 @@
 """The cluster tier: `kvserve cluster serve` with 2 replicas on a local Ray Serve (127.0.0.1
 only), through the OpenAI SDK: the same answers as the single server, streamed and not; a
-conversation stays on the replica holding its prefix; cold requests spread; under pressure
+conversation stays on the replica holding its prefix, a LoRA adapter's too, and the adapter's
+unrelated requests go where it sits in a slot; cold requests spread; under pressure
 the degradation ladder sheds batch requests only; the ingress's /metrics carries each
 replica's series with a ``replica`` label, their sums and the router's decisions; an engine
 killed mid-run ends its streams cleanly, later requests go elsewhere, and the replica rejoins."""
@@ -28,10 +29,18 @@ LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    # a chat TTFT SLO no CPU meets and 1 s dwells: the degradation ladder climbs during the module
+def adapter(tmp_path_factory, model_path) -> str:
+    """A PEFT LoRA adapter of the default model (q/v, rank 8), made offline."""
+    from tests.support.lora_adapters import hf_base_model, make_adapter
+    return make_adapter(hf_base_model(model_path), str(tmp_path_factory.mktemp("sql")), r=8)
+
+
+@pytest.fixture(scope="module")
+def cluster(adapter):
+    # a chat TTFT SLO no CPU meets and 1 s dwells: the degradation ladder climbs during the module;
+    # one LoRA slot per replica, the adapter "sql" loaded on both (host memory) at start
     with ServerProcess(*FLAGS, "--replicas", "2", "--router", "kv_aware", "--router-weights", "request=32",
-                       "--chat-ttft-slo", "0.05",
+                       "--lora-modules", f"sql={adapter}", "--max-loras", "1", "--chat-ttft-slo", "0.05",
                        "--ladder-dwell-s", "1", command=("cluster", "serve"), startup_timeout_s=420) as proc:
         yield proc
 
@@ -79,6 +88,33 @@ def test_a_conversation_stays_with_its_prefix(client):
         time.sleep(1.0)                     # replicas report their cached blocks every 0.5 s
     assert len(set(replicas)) == 1, replicas
     assert cached[0] == 0 and cached[1] > 0 and cached[2] > cached[1], cached
+
+
+def test_an_adapters_requests_follow_its_prefix_and_its_slot(client):
+    """LoRA-aware routing: the router resolves the request's model ("sql") to the adapter's
+    identity, so an adapter conversation's blocks match (its turns stay and hit the cache),
+    and unrelated requests for the adapter go where it is resident in a slot."""
+    messages = [{"role": "system", "content": "You translate questions into SQL in one line."},
+                {"role": "user", "content": "Count the rows of table users."}]
+    replicas, cached = [], []
+    for _turn in range(3):
+        raw = client.chat.completions.with_raw_response.create(model="sql", messages=messages, temperature=0,
+                                                               max_tokens=12)
+        reply = raw.parse()
+        replicas.append(raw.headers["x-kvserve-replica"])
+        cached.append(reply.usage.prompt_tokens_details.cached_tokens)
+        messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                     {"role": "user", "content": "And of table orders?"}]
+        time.sleep(1.0)
+    assert len(set(replicas)) == 1 and cached[1] > 0 and cached[2] > cached[1], (replicas, cached)
+    elsewhere = []
+    for i in range(3):
+        raw = client.chat.completions.with_raw_response.create(
+            model="sql", messages=[{"role": "user", "content": f"Unrelated request {i * 41}: list tables."}],
+            temperature=0, max_tokens=2)
+        elsewhere.append(raw.headers["x-kvserve-replica"])
+        time.sleep(0.6)
+    assert set(elsewhere) == {replicas[0]}, (replicas[0], elsewhere)
 
 
 def _cold_replicas(cluster, count: int) -> list[str]:

@@ -119,6 +119,16 @@ def test_session_key_and_resident_adapter_pull_toward_a_replica():
     assert policy.choose(replicas, _request([5, 6], namespace=lora)).replica == "b"
 
 
+def test_a_requests_model_resolves_to_the_adapters_identity():
+    from kvserve.router.state import adapter_identity
+    ids = {"sql": "d1g357", "chat:v2": "c4a7"}
+    assert adapter_identity("sql", ids) == "d1g357"
+    assert adapter_identity("SmolLM2-135M-Instruct:sql", ids) == "d1g357"       # <base>:<adapter>
+    assert adapter_identity("chat:v2", ids) == "c4a7"                            # a name with ':'
+    assert adapter_identity("SmolLM2-135M-Instruct", ids) is None                # the base model
+    assert adapter_identity(None, ids) is None and adapter_identity("sql", {}) is None
+
+
 def test_prefix_approx_learns_from_its_own_choices():
     policy = make_policy("prefix_approx", block_size=BS, max_history_blocks=8)
     replicas = _replicas("a", "b", "c")
