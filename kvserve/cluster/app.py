@@ -57,15 +57,18 @@ def build_app(args: argparse.Namespace):
 
 def ingress_admission(args: argparse.Namespace, tenants, scaling: AutoscaleSettings | None) -> dict:
     """The ingress's admission arguments: the tenants file's limits with the replicas'
-    generation caps (``limits.py``), and the class-ordered queue's fleet slots (replicas, or
+    generation caps (``limits.py``), the class-ordered queue's fleet slots (replicas, or
     with autoscaling the most replicas, x ``--max-num-seqs``; none with ``--queue-wait-s 0``)
-    and wait bound (``admission.py``)."""
+    and wait bound (``admission.py``), and the replicas' circuit breakers' threshold and open
+    seconds (``breaker.py``)."""
     limits = {name: t.limits for name, t in tenants.tenants.items()} if tenants is not None else {}
     caps = (getattr(args, "default_max_tokens", 2048) or None, getattr(args, "max_tokens_limit", None))
     wait_s = getattr(args, "queue_wait_s", 60.0)
     replicas = scaling.max_replicas if scaling is not None else args.replicas
     slots = replicas * args.max_num_seqs if wait_s and wait_s > 0 else None
-    return {"tenant_limits": limits, "caps": caps, "fleet_slots": slots, "queue_wait_s": wait_s if slots else None}
+    breakers = (getattr(args, "breaker_failures", 3), getattr(args, "breaker_open_s", 5.0))
+    return {"tenant_limits": limits, "caps": caps, "fleet_slots": slots, "queue_wait_s": wait_s if slots else None,
+            "breakers": breakers}
 
 
 def autoscale_settings(args: argparse.Namespace, model_path: str) -> AutoscaleSettings | None:

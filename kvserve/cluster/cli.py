@@ -40,6 +40,10 @@ def register(subparsers) -> None:
     p.add_argument("--replica-cpus", type=float, default=0.0,
                    help="CPUs Ray reserves per replica (default 0: threads come from --threads)")
     p.add_argument("--ray-cpus", type=int, default=None, help="CPUs the local Ray may schedule (default: all)")
+    p.add_argument("--breaker-failures", type=int, default=3,
+                   help="failures in a row that open a replica's circuit breaker (default 3)")
+    p.add_argument("--breaker-open-s", type=float, default=5.0,
+                   help="seconds an open breaker waits before its half-open probe (default 5)")
     lad = p.add_argument_group("degradation ladder (docs/cluster.md)")
     lad.add_argument("--no-ladder", dest="ladder", action="store_false", help="never degrade")
     lad.add_argument("--chat-ttft-slo", type=float, default=1.0,

@@ -108,17 +108,19 @@ class Ingress:
     enforced here for the whole fleet with the replicas' server-wide ``caps``
     (default_max_tokens, max_tokens_limit) (``limits.py``); ``fleet_slots`` (None: no queue
     here, Ray Serve's FIFO) the fleet's decode slots, for which generation requests wait in
-    class order at most ``queue_wait_s`` (``admission.py``)."""
+    class order at most ``queue_wait_s`` (``admission.py``); ``breakers`` each replica's circuit
+    breaker's (failures that open it, seconds open before a probe) (``breaker.py``)."""
 
     def __init__(self, replicas, model_path: str, keys: dict, ladder: LadderSettings | None = None,
                  fallback=None, overflow: FallbackTarget | None = None, assign_wait_s: float | None = None,
                  tenant_limits: dict[str, TenantLimits] | None = None, caps: tuple = (2048, None),
-                 fleet_slots: int | None = None, queue_wait_s: float | None = None):
+                 fleet_slots: int | None = None, queue_wait_s: float | None = None,
+                 breakers: tuple[int, float] = (3, 5.0)):
         from kvserve.tokenizer import Tokenizer
         from kvserve.cluster.ray_runtime import pin_replica_grpc_to_loopback
         pin_replica_grpc_to_loopback()
-        self.fleet = Pool("fleet", replicas.options(stream=True), ReplicaBreakers())
-        self.fallback = Pool("fallback", fallback.options(stream=True), ReplicaBreakers()) \
+        self.fleet = Pool("fleet", replicas.options(stream=True), ReplicaBreakers(*breakers))
+        self.fallback = Pool("fallback", fallback.options(stream=True), ReplicaBreakers(*breakers)) \
             if fallback is not None and overflow is not None else None
         self.overflow = overflow if self.fallback is not None else None
         self.assign_wait_s = assign_wait_s

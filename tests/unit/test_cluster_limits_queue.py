@@ -108,6 +108,9 @@ def test_the_ingress_gets_the_fleets_slots_and_the_tenants_limits_from_the_optio
     assert wired["tenant_limits"] == {"acme": TenantLimits(requests_per_min=7)}
     off = ingress_admission(_cluster_args("--queue-wait-s", "0"), None, None)
     assert off["fleet_slots"] is None and off["queue_wait_s"] is None and off["tenant_limits"] == {}
+    assert wired["breakers"] == (3, 5.0)
+    tuned = ingress_admission(_cluster_args("--breaker-failures", "5", "--breaker-open-s", "2.5"), None, None)
+    assert tuned["breakers"] == (5, 2.5)
 
 
 def test_the_ingress_queue_is_on_the_clusters_metrics():
