@@ -80,14 +80,43 @@ def measure_engine(path: str, requests, **engine_kwargs) -> dict:
     return out
 
 
+def bs1_breakdown(path: str, prompt: list[int], replays: int = 200) -> dict:
+    """Where a graphed one-sequence decode step goes: the whole engine step (1 / tokens per s)
+    against replaying its captured graph alone (device time plus one launch), the rest being
+    the host's scheduling, input filling, vocabulary head and sampling."""
+    from kvserve import LLM
+    llm = LLM(path, device="cuda", kv_cache_bytes=2**30)
+    run_bs1(llm, prompt)                    # captures the buckets the context passes through
+    bs1 = run_bs1(llm, prompt)
+    graphs = llm.engine.runner.decode_graphs
+    entry = next(e for (rows, _), e in sorted(graphs.entries.items(), key=lambda kv: -kv[0][1]) if rows == 1)
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    for _ in range(replays):
+        entry.graph.replay()
+    torch.cuda.synchronize()
+    replay_ms = (time.perf_counter() - started) / replays * 1e3
+    step_ms = 1e3 / bs1
+    return {"bs1_decode_tokens_per_s": round(bs1, 1), "step_ms": round(step_ms, 3),
+            "graph_replay_ms": round(replay_ms, 3), "host_rest_ms": round(step_ms - replay_ms, 3)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--hf-batch", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--bs1-breakdown", action="store_true",
+                        help="only the graphed bs=1 step's split: graph replay vs the rest of the step")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print(json.dumps({"skipped": "no CUDA device"}))
+        return
+    if args.bs1_breakdown:
+        from kvserve.loader import default_model_path
+        from kvserve.tokenizer import Tokenizer
+        path = default_model_path()
+        print(json.dumps(bs1_breakdown(path, make_workload(Tokenizer.load(path), 1, args.seed)[0][0]), indent=1))
         return
     from kvserve.loader import default_model_path
     from kvserve.tokenizer import Tokenizer
