@@ -88,13 +88,14 @@ class ExpertParallelBlock(nn.Module):
         mine = self.dispatcher.dispatch(x[lo:hi], ids[lo:hi], weights[lo:hi])
         local = slice(self.first_expert, self.first_expert + self.local_experts)
         received = per_source[:, local]                                       # [N, El]
+        bound = -(-x.shape[0] // world) * world * self.top_k       # rows any rank sends, either way
         rows = group.all_to_all(mine.hidden, expert_owner_counts(mine.counts, world).tolist(),
-                                received.sum(dim=1).tolist())
+                                received.sum(dim=1).tolist(), max_rows=bound)
         order = expert_major_order(received)
         out_rows = torch.empty_like(rows)
         out_rows[order] = self.experts(rows[order], received.sum(dim=0).tolist())
         back = group.all_to_all(out_rows, received.sum(dim=1).tolist(),
-                                expert_owner_counts(mine.counts, world).tolist())
+                                expert_owner_counts(mine.counts, world).tolist(), max_rows=bound)
         out = self.dispatcher.combine(back, mine)                             # [hi - lo, H]
         if self.shared_expert is not None:
             xs = x[lo:hi]

@@ -121,9 +121,15 @@ class RankGroup:
         self._timed(self._pg.allgather([parts], [tensor]))
         return torch.cat(parts, dim=dim)
 
-    def all_to_all(self, tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int]) -> torch.Tensor:
+    def all_to_all(self, tensor: torch.Tensor, send_rows: list[int], recv_rows: list[int],
+                   max_rows: int | None = None) -> torch.Tensor:
         """Rows ``tensor[sum(send_rows[:r]):...]`` go to rank r; returns the rows received,
-        ``recv_rows[r]`` from each rank r, in rank order."""
+        ``recv_rows[r]`` from each rank r, in rank order. ``max_rows``: a bound on the rows any
+        rank sends, the same on every rank; with it, CPU ranks exchange through shared memory
+        when the bound fits a slot (else, and without it, through the process group)."""
+        if self.world_size > 1 and self._shm is not None and max_rows is not None \
+                and self._shm.fits_rows(max_rows, tensor):
+            return self._timed_call(self._shm.all_to_all, tensor, list(send_rows))
         out = tensor.new_empty((sum(recv_rows),) + tuple(tensor.shape[1:]))
         self._timed(self._pg.alltoall_base(out, tensor.contiguous(), list(recv_rows), list(send_rows)))
         return out

@@ -14,11 +14,17 @@ ranks (as the residual stream requires). A slot of call ``g`` is written again a
 has finished reading call ``g``'s slots — so two slots per rank suffice. x86's stores are seen
 in program order (the data before its counter).
 
+An all-to-all (expert parallelism's dispatch and combine) publishes the same way: the slot
+holds the sender's rows per destination (``world_size`` int64s), then its rows, destination-
+major; each rank reads, from every slot, the rows addressed to it (their offset is the sum of
+the rows the sender addressed to lower ranks).
+
 A rank that never arrives (its process died) makes the wait raise after ``timeout_s``.
 Larger tensors than a slot fall back to the process group's own collective.
 """
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import time
@@ -30,7 +36,7 @@ BUSY_SPINS = 32             # polls before each further poll yields the core
 
 
 class ShmCollectives:
-    """All-reduce and all-gather of float tensors through one shared ``/dev/shm`` mapping."""
+    """All-reduce, all-gather and all-to-all of float tensors through one shared ``/dev/shm`` mapping."""
 
     def __init__(self, path: str, rank: int, world_size: int, slot_bytes: int, create: bool,
                  timeout_s: float = 120.0):
@@ -61,9 +67,21 @@ class ShmCollectives:
         nbytes = tensor.numel() * tensor.element_size()
         return self._slots[rank, self._call & 1, :nbytes].view(tensor.dtype).view(tensor.shape)
 
+    def fits_rows(self, max_rows: int, tensor: torch.Tensor) -> bool:
+        """Whether an all-to-all whose senders each send at most ``max_rows`` rows shaped like
+        ``tensor``'s goes through the slots (every rank must decide the same: ``max_rows`` is a
+        bound all ranks share, not a rank's own count)."""
+        row_bytes = math.prod(tensor.shape[1:]) * tensor.element_size()
+        return (tensor.device.type == "cpu" and tensor.is_floating_point()
+                and 8 * self.world_size + max_rows * row_bytes <= self.slot_bytes)
+
     def _publish_and_wait(self, tensor: torch.Tensor) -> None:
         self._call += 1
         self._slot(self.rank, tensor).copy_(tensor)
+        self._arrive_and_wait()
+
+    def _arrive_and_wait(self) -> None:
+        """Count this rank in for call ``self._call`` (its slot written), then wait for every rank."""
         self._counters[self.rank] = self._call
         deadline, spins = None, 0
         while int(self._counters.min()) < self._call:
@@ -84,6 +102,24 @@ class ShmCollectives:
         for rank in range(1, self.world_size):
             tensor.add_(self._slot(rank, tensor))
         return tensor
+
+    def all_to_all(self, tensor: torch.Tensor, send_rows: list[int]) -> torch.Tensor:
+        """Rows ``tensor[sum(send_rows[:r]):...]`` go to rank r; returns the rows addressed to
+        this rank by each rank, in rank order (a new tensor)."""
+        tensor, head = tensor.contiguous(), 8 * self.world_size
+        shape, row = tuple(tensor.shape[1:]), math.prod(tensor.shape[1:])
+        self._call += 1
+        mine = self._slots[self.rank, self._call & 1]
+        mine[:head].view(torch.int64).copy_(torch.tensor(send_rows, dtype=torch.int64))
+        mine[head:head + tensor.numel() * tensor.element_size()].view(tensor.dtype).copy_(tensor.view(-1))
+        self._arrive_and_wait()
+        parts = []
+        for rank in range(self.world_size):
+            slot = self._slots[rank, self._call & 1]
+            rows = slot[:head].view(torch.int64).tolist()
+            start, count = sum(rows[:self.rank]) * row, rows[self.rank]
+            parts.append(slot[head:].view(tensor.dtype)[start:start + count * row].view((count,) + shape))
+        return torch.cat(parts)
 
     def all_gather(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """The ranks' equally shaped ``tensor`` concatenated along ``dim`` in rank order."""

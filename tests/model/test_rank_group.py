@@ -25,6 +25,9 @@ def test_two_rank_collectives_on_loopback():
         gathered = group.all_gather(torch.tensor([[1.0]]), dim=-1)
         # rank 0 sends 2 rows to itself and 1 to rank 1; receives 2 of its own and 1 from rank 1
         exchanged = group.all_to_all(torch.tensor([[0.0], [1.0], [2.0]]), send_rows=[2, 1], recv_rows=[2, 1])
+        # the same through shared memory (a shared bound on the rows sent), rows of 2 columns
+        via_shm = group.all_to_all(torch.tensor([[0.0, 0.5], [1.0, 1.5]]), send_rows=[0, 2], recv_rows=[0, 0],
+                                   max_rows=4)
         group.broadcast_object({"step": 7, "rows": [1, 2, 3]})
         big = group.all_reduce_(torch.full((5 * 2**20,), 1.0))
         mine = loopback_listeners()
@@ -34,11 +37,12 @@ def test_two_rank_collectives_on_loopback():
     assert reduced.tolist() == [11.0, 22.0] and theirs["reduced"] == [11.0, 22.0]
     assert gathered.tolist() == [[1.0, 3.0]] and theirs["gathered"] == [[1.0, 3.0]]
     assert exchanged.tolist() == [[0.0], [1.0], [10.0]]
+    assert via_shm.shape == (0, 2) and theirs["via_shm"] == [[0.0, 0.5], [1.0, 1.5], [13.0, 13.5]]
     assert theirs["exchanged"] == [[2.0], [11.0], [12.0]]
     assert theirs["received"] == {"step": 7, "rows": [1, 2, 3]}
     assert group.uses_shared_memory and theirs["shm"]             # small CPU collectives: shared memory
     assert float(big[0]) == 3.0 and theirs["big"] == 3.0 and float(big[-1]) == 3.0
-    assert group.comm_calls == 4 and group.comm_seconds > 0
+    assert group.comm_calls == 5 and group.comm_seconds > 0
     assert mine and set(mine) == {"127.0.0.1"}, mine
     assert set(theirs["listeners"]) <= {"127.0.0.1"}, theirs["listeners"]
 
