@@ -138,7 +138,7 @@ class ModelRunner:
         """Final hidden states of every token ``[T, hidden]`` (rows in ``items`` order)
         and the sampled rows. Decode-only steps go to the decode graphs when there are any."""
         if self.decode_graphs is not None:
-            graphed = self.decode_graphs.forward(items)
+            graphed = self.decode_graphs.forward(items, self.model, self.kv_cache)
             if graphed is not None:
                 return graphed
         input_ids, positions, meta, sample_rows = self._prepare(items)

@@ -104,3 +104,24 @@ def test_decode_graphs_match_eager_on_cuda(model_path, prompts):
     assert {rows for rows, _ in graphs.entries} >= {16, 8, 4, 2, 1}
     assert all(e.graph is not None for e in graphs.entries.values())
     graphed.engine.check_integrity()
+
+
+def test_decode_graphs_follow_a_sleep_wake_and_a_weight_load(model_path, prompts):
+    """Wake reallocates the KV cache and moves the weights back; a weight load replaces the
+    model: the graphs captured before are dropped and captured again, outputs unchanged."""
+    from kvserve import LLM
+    gpu = LLM(model_path, device="cuda", dtype="float32", kv_cache_bytes=2**30, max_num_seqs=4)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    chosen = [{"prompt_token_ids": p} for p in prompts[:3]]
+    first = [o.outputs[0].token_ids for o in gpu.generate(chosen, greedy)]
+    graphs = gpu.engine.runner.decode_graphs
+    captured = dict(graphs.entries)
+    assert captured
+    gpu.engine.sleep()
+    gpu.engine.wake()
+    assert [o.outputs[0].token_ids for o in gpu.generate(chosen, greedy)] == first
+    assert graphs.kv_cache is gpu.engine.runner.kv_cache and graphs.entries
+    assert all(graphs.entries[k] is not captured[k] for k in graphs.entries if k in captured)
+    gpu.engine.load_weights(model_path)
+    assert [o.outputs[0].token_ids for o in gpu.generate(chosen, greedy)] == first
+    assert graphs.model is gpu.engine.runner.model

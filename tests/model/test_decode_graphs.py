@@ -36,3 +36,24 @@ def test_padded_decode_path_matches_eager(model_path, llm, prompts):
     assert graphs.replays > 0
     assert {rows for rows, _ in graphs.entries} >= {16, 8, 4, 2, 1}
     padded.engine.check_integrity()
+
+
+def test_a_sleep_and_wake_drops_the_graphs_bound_to_the_old_kv_cache(model_path, llm, prompts):
+    """Wake allocates a new KV tensor (and moves GPU weights back): the path must not keep
+    reading and writing the one it was built on."""
+    from kvserve import LLM
+    padded = LLM(model_path, dtype="float32", kv_cache_bytes=64 * 2**20, max_num_seqs=4)
+    runner, mc = padded.engine.runner, padded.engine.model_config
+    runner.decode_graphs = DecodeGraphs(runner.model, runner.kv_cache,
+                                        lambda: get_backend("torch", mc.num_heads, mc.num_kv_heads, mc.head_dim),
+                                        runner.block_size, 4, 2048 // runner.block_size, torch.device("cpu"),
+                                        capture=False)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    chosen = [{"prompt_token_ids": p} for p in prompts[:3]]
+    first = padded.generate(chosen, greedy)
+    padded.engine.sleep()
+    padded.engine.wake()
+    again = padded.generate(chosen, greedy)
+    assert runner.decode_graphs.kv_cache is runner.kv_cache
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first] == \
+        [o.outputs[0].token_ids for o in llm.generate(chosen, greedy)]
