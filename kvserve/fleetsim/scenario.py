@@ -103,14 +103,16 @@ def speed() -> Scenario:
 
 
 def long_prompts() -> Scenario:
-    """The capstone's day where every other model serves retrieval-style requests (8,192-token
-    prompts, 32-token answers): few requests are in flight at once, but each carries a long
-    prefill, so a request-count signal and a token signal ask for different fleets. Only the
-    two tiered autoscaling policies are compared."""
+    """The capstone's day, 10,000 users at the peak, where every other model serves
+    retrieval-style requests (6,144-token prompts, 32-token answers): few are in flight at
+    once, but each carries a long prefill, so a request-count signal and a token signal ask
+    for different fleets. Only the two tiered autoscaling policies are compared."""
     models = tuple(replace(m, prompt_tokens=6144.0, output_tokens=32.0, klass="chat") if i % 2 == 0 else m
                    for i, m in enumerate(_model_mix(40)))
-    return replace(capstone(), name="long_prompts", models=models, peak_users=10_000, policies=("tiers_requests", "tiers_tokens"),
-                   notes=capstone().notes + ("even-numbered models: 6,144-token prompts, 32-token answers",))
+    return replace(capstone(), name="long_prompts", models=models, peak_users=10_000,
+                   policies=("tiers_requests", "tiers_tokens"),
+                   notes=capstone().notes + ("even-numbered models: 6,144-token prompts, 32-token answers, "
+                                             "10,000 users at the peak",))
 
 
 SCENARIOS = {"capstone": capstone, "speed": speed, "long_prompts": long_prompts}

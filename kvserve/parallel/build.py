@@ -26,10 +26,11 @@ class TensorParallelLaunch:
     def __init__(self, model_path: str | None, resolved, bandwidth: float):
         tp = resolved.tensor_parallel_size
         store, store_path = open_store(tp)
+        lora = resolved.lora
         spec = RankSpec(model_path, resolved.device, resolved.dtype, resolved.quantization,
                         resolved.kv_cache_dtype, resolved.block_size, resolved.attention_backend,
                         resolved.num_threads, tp, store_path, bandwidth,
-                        resolved.lora.max_loras if resolved.lora else 0, resolved.lora.max_lora_rank if resolved.lora else 0)
+                        lora.max_loras if lora else 0, lora.max_lora_rank if lora else 0)
         self.quantization = resolved.quantization
         self.workers = start_workers(spec)
         try:

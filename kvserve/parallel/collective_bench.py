@@ -30,11 +30,11 @@ def _run(group, sizes: list[int], repeats: int, device: str) -> list[tuple[int, 
         x = torch.ones(numel, dtype=torch.float32, device=device)
         best = float("inf")
         for i in range(repeats + 2):
-            if device == "cuda":
+            if device.startswith("cuda"):
                 torch.cuda.synchronize()
             started = time.perf_counter()
             group.all_reduce_(x)
-            if device == "cuda":
+            if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if i >= 2:
                 best = min(best, time.perf_counter() - started)
