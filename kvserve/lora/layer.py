@@ -32,16 +32,14 @@ class LoRALinear(nn.Module):
         return self.base.in_features
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> [T, out]. On a row-parallel shard (``partial_sums``: x holds this
-        rank's input features, the delta is a partial sum too) the delta joins the base's
-        partial product before its all-reduce: one all-reduce for both."""
-        if getattr(self.base, "partial_sums", False):
-            return self.base.reduce_(self.batch.add_delta_(self.base.partial(x), x, self.slots))
-        return self.batch.add_delta_(self.base(x), x, self.slots)
+        """x [T, in] -> [T, out]: the delta joins the base's ``partial`` product before its
+        ``reduce_`` (on a row-parallel shard x holds this rank's input features and the delta
+        is a partial sum too: one all-reduce for both)."""
+        return self.base.reduce_(self.batch.add_delta_(self.base.partial(x), x, self.slots))
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T + delta`` in place (the residual stream)."""
-        if getattr(self.base, "partial_sums", False):
+        if self.base.partial_sums:           # the sum over ranks first, then into the stream
             return out.add_(self.forward(x))
         self.base.accumulate_(out, x)
         return self.batch.add_delta_(out, x, self.slots)

@@ -56,7 +56,13 @@ def bounded_rows(product, x: torch.Tensor, weight: torch.Tensor, bias: torch.Ten
 
 
 class Projection(nn.Module):
-    """``y = x @ W.T (+ bias)`` for ``x [T, in]``, with ``W`` given as ``[out, in]``."""
+    """``y = x @ W.T (+ bias)`` for ``x [T, in]``, with ``W`` given as ``[out, in]``.
+
+    ``forward`` = ``reduce_(partial(x))``: a wrapper that adds to the product (LoRA) adds to
+    ``partial``'s; here the product is whole and ``reduce_`` leaves it as it is (a row-parallel
+    shard, ``partial_sums``, sums its partial products over the ranks there)."""
+
+    partial_sums = False
 
     def __init__(self, out_features: int, in_features: int, bias: bool = False):
         super().__init__()
@@ -118,6 +124,14 @@ class Projection(nn.Module):
         if x.device.type == "cpu" and x.dtype != torch.float32:     # oneDNN's matmul on CPU
             return bounded_rows(F.linear, x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This process's product (the whole one: see the class docstring)."""
+        return self.forward(x)
+
+    def reduce_(self, y: torch.Tensor) -> torch.Tensor:
+        """Products of the other processes added to ``y`` (none here)."""
+        return y
 
     def accumulate_(self, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``out += x @ W.T`` in place (a residual stream: no separate add pass)."""

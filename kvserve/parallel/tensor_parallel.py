@@ -90,7 +90,7 @@ class RowParallel(Projection):
         self.row_bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         self.group = group
 
-    partial_sums = True     # a wrapper adding to the product adds to ``partial`` (LoRA: lora/layer.py)
+    partial_sums = True     # each rank's product is a partial sum (Projection's docstring)
 
     def partial(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, in / tp] -> this rank's partial product [T, out]."""
