@@ -15,7 +15,9 @@ every layout, measured in the same run:
   8 + 8) vs one process, batches of 1..64 decoding sequences: the share of the run spent in
   the sparse layers' collectives (two all-to-alls and an all-gather), their per-forward p50
   and p99 and the ratio, and the expert load imbalance (max / mean rows per expert, and per
-  rank) on the model's routing.
+  rank) on the model's routing; beside them the planner's all-to-all per forward
+  (``moe.all_to_all_s``) on the link fitted to this host's measured all-to-alls (the fit
+  ``kvserve profile --expert-parallel 2`` stores).
 - **Planner**: ``kvserve plan`` for llama-3-70b on H100-SXM at TP 1/2/4/8 (bf16, 32 x 8k).
 
     .venv/bin/python benchmarks/parallel.py [--out benchmarks/parallel.json] [--quick]
@@ -23,6 +25,7 @@ every layout, measured in the same run:
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -176,6 +179,8 @@ def bench_ep(quick: bool) -> dict:
     result = {"model": "random Qwen2-MoE: 4 layers, hidden 256, 16 experts x 256, top-2, shared 512 (fp32)",
               "prompt_tokens": 16, "output_tokens": output_tokens, "layouts": {}}
     for ep, threads in ((1, 2), (2, 1)):
+        if ep == 2:
+            result["planner_all_to_all"] = planner_all_to_all(folder, batches)
         llm = LLM(folder, dtype="float32", kv_cache_bytes=64 * 2**20, tensor_parallel_size=ep, num_threads=threads,
                   enable_prefix_cache=False, max_num_seqs=64)
         try:
@@ -184,7 +189,28 @@ def bench_ep(quick: bool) -> dict:
                                                            for _ in range(b)], output_tokens) for b in batches]
         finally:
             llm.engine.close()
+    for row, (batch, predicted) in zip(result["layouts"]["ep2"], result["planner_all_to_all"]["per_forward_ms"]):
+        row["planner_all_to_all_ms"] = predicted
+        row["planner_over_measured_p50"] = round(predicted / row["all_to_all_p50_ms"], 3)
     return result
+
+
+def planner_all_to_all(folder: str, batches: list[int]) -> dict:
+    """The planner's dispatch + combine seconds of one sparse layer's forward at each decode batch
+    (``moe.all_to_all_s``, fp32 activations, ``ceil(batch / 2)`` tokens per rank) on the
+    all-to-all fitted to this host's measured ones (``kvserve profile --expert-parallel 2``'s
+    fit), to set beside the measured per-forward p50 (which also holds the slices' all-gather)."""
+    from kvserve.loader import load_checkpoint
+    from kvserve.parallel.collective_bench import fit_all_to_all, measure_all_to_all
+    from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.moe import all_to_all_s
+    from kvserve.planner.profile import model_from_engine
+    latency, link = fit_all_to_all(measure_all_to_all(2), 2)
+    hw = HardwareSpec(name="this host, 2 ranks", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11},
+                      all_to_all_bw=link, all_to_all_latency_s=latency, gpus_per_node=2)
+    model = model_from_engine(load_checkpoint(folder).config)
+    return {"fitted_latency_us": round(latency * 1e6, 1), "fitted_link_GBps": round(link / 1e9, 2),
+            "per_forward_ms": [[b, round(all_to_all_s(model, hw, 2, -(-b // 2), 4.0)[1] * 1e3, 4)] for b in batches]}
 
 
 def planner_tp() -> list[dict]:
@@ -211,14 +237,24 @@ def planner_tp() -> list[dict]:
     return rows
 
 
+PARTS = {"tp": bench_tp, "ep": bench_ep, "planner_llama3_70b_h100": lambda quick: planner_tp()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", default=None)
     parser.add_argument("--quick", action="store_true", help="small sizes (a smoke run)")
+    parser.add_argument("--only", choices=sorted(PARTS), default=None,
+                        help="run this part only (with --out: replace it in the saved JSON, keep the others)")
     args = parser.parse_args()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "")
-    result = {"cpu": cpu, "cores": os.cpu_count(), "tp": bench_tp(args.quick), "ep": bench_ep(args.quick),
-              "planner_llama3_70b_h100": planner_tp()}
+    result = {"cpu": cpu, "cores": os.cpu_count()}
+    if args.only and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            result = {**json.load(f), **result}
+    for name, run in PARTS.items():
+        if args.only in (None, name):
+            result[name] = run(args.quick)
     emit(result, args.out)
     return 0
 

@@ -1,12 +1,16 @@
-"""The all-reduce of the engine's tensor-parallel layers, timed on this host (``kvserve profile
---tensor-parallel N``), and the planner's link model fitted to it.
+"""The collectives of the engine's parallel layers, timed on this host, and the planner's link
+models fitted to them: the all-reduce of tensor parallelism (``kvserve profile
+--tensor-parallel N``) and the all-to-all of expert parallelism (``--expert-parallel N``).
 
 Rank 0 (this process) and ranks 1..N-1 (fresh interpreters, as a replica's ranks are) join a
-``RankGroup`` and all-reduce fp32 tensors of several sizes through ``RankGroup.all_reduce_``,
-the call the row-parallel layers make (shared memory between CPU ranks, NCCL on CUDA). Rank 0
-keeps the best of the repeats per size. ``fit_link`` fits the planner's model of one
-all-reduce (``planner/roofline.allreduce_s``): ``latency + 2 (n - 1) / n x bytes / link``, by
-least squares on the samples.
+``RankGroup`` and call the method the layers call (shared memory between CPU ranks, NCCL on
+CUDA) on fp32 tensors of several sizes; rank 0 keeps the best of the repeats per size.
+``RankGroup.all_reduce_`` (row-parallel layers): ``fit_link`` fits the planner's model of one
+all-reduce (``planner/roofline.allreduce_s``), ``latency + 2 (n - 1) / n x bytes / link``.
+``RankGroup.all_to_all`` (an expert-parallel block's dispatch or combine: ``[rows, hidden]``
+split evenly over the ranks, with the row bound the block passes): ``fit_all_to_all`` fits the
+planner's model of one (``planner/moe.all_to_all_s``), ``latency + (n - 1) / n x bytes / link``.
+Both by least squares on the samples.
 
     python -m kvserve.parallel.collective_bench RANK WORLD STORE_PATH PLAN_JSON   (a worker rank)
 """
@@ -20,52 +24,99 @@ import time
 import numpy as np
 
 DEFAULT_SIZES = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20)   # fp32 elements: 4 KiB .. 4 MiB
+ALL_TO_ALL_HIDDEN = 1024                                      # fp32 per row: 4 KiB
+ALL_TO_ALL_ROWS = (1, 4, 16, 64, 256)                         # rows to each rank: 4 KiB .. 1 MiB
 
 
-def _run(group, sizes: list[int], repeats: int, device: str) -> list[tuple[int, float]]:
-    """Every rank: two warm-up all-reduces then ``repeats`` timed ones per size; (bytes, best s)."""
+def _call(group, op: str, x):
+    """One collective ``op`` on ``x`` as the engine's layers call it."""
+    if op == "all_reduce":
+        return group.all_reduce_(x)
+    share = x.shape[0] // group.world_size
+    return group.all_to_all(x, [share] * group.world_size, [share] * group.world_size, max_rows=x.shape[0])
+
+
+def _operand(op: str, size: int, device: str):
+    """The fp32 tensor of one sample: ``size`` elements (all-reduce) or ``[size, hidden]`` rows."""
+    import torch
+    shape = (size,) if op == "all_reduce" else (size, ALL_TO_ALL_HIDDEN)
+    return torch.ones(shape, dtype=torch.float32, device=device)
+
+
+def _run(group, op: str, sizes: list[int], repeats: int, device: str) -> list[tuple[int, float]]:
+    """Every rank: two warm-up calls then ``repeats`` timed ones per size; (bytes this rank
+    passes in, best seconds)."""
     import torch
     out = []
-    for numel in sizes:
-        x = torch.ones(numel, dtype=torch.float32, device=device)
+    for size in sizes:
+        x = _operand(op, size, device)
         best = float("inf")
         for i in range(repeats + 2):
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             started = time.perf_counter()
-            group.all_reduce_(x)
+            _call(group, op, x)
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
             if i >= 2:
                 best = min(best, time.perf_counter() - started)
-        out.append((numel * 4, best))
+        out.append((x.numel() * 4, best))
     return out
 
 
-def measure_allreduce(world_size: int, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 20,
-                      device: str = "cpu") -> list[tuple[int, float]]:
-    """(bytes, seconds) of one all-reduce among ``world_size`` local ranks, per size."""
+def measure(op: str, world_size: int, sizes: tuple[int, ...], repeats: int = 20,
+            device: str = "cpu") -> list[tuple[int, float]]:
+    """(bytes, seconds) of one ``op`` (``all_reduce`` or ``all_to_all``) among ``world_size``
+    local ranks, per size."""
     from kvserve.parallel.group import RankGroup, open_store
     if world_size < 2:
-        raise ValueError("an all-reduce needs at least two ranks")
+        raise ValueError("a collective needs at least two ranks")
+    if op not in ("all_reduce", "all_to_all"):
+        raise ValueError(f"unknown collective {op!r}")
     store, path = open_store(world_size)
-    plan = json.dumps({"sizes": list(sizes), "repeats": repeats, "device": device})
+    plan = json.dumps({"op": op, "sizes": list(sizes), "repeats": repeats, "device": device})
     workers = [subprocess.Popen([sys.executable, "-m", "kvserve.parallel.collective_bench", str(rank),
                                  str(world_size), path, plan]) for rank in range(1, world_size)]
     try:
         group = RankGroup(store, 0, world_size, device)
-        samples = _run(group, list(sizes), repeats, "cuda:0" if device == "cuda" else "cpu")
+        samples = _run(group, op, list(sizes), repeats, "cuda:0" if device == "cuda" else "cpu")
     finally:
         for proc in workers:
             proc.wait(60)
     return samples
 
 
+def measure_allreduce(world_size: int, sizes: tuple[int, ...] = DEFAULT_SIZES, repeats: int = 20,
+                      device: str = "cpu") -> list[tuple[int, float]]:
+    """(bytes, seconds) of one all-reduce among ``world_size`` local ranks, per size."""
+    return measure("all_reduce", world_size, sizes, repeats, device)
+
+
+def measure_all_to_all(world_size: int, rows: tuple[int, ...] = ALL_TO_ALL_ROWS, repeats: int = 20,
+                       device: str = "cpu") -> list[tuple[int, float]]:
+    """(bytes each rank passes in, seconds) of one all-to-all among ``world_size`` local ranks,
+    per entry of ``rows``: every rank sends ``rows`` rows of ``ALL_TO_ALL_HIDDEN`` fp32 to every
+    rank, itself included (``rows x world_size`` rows in)."""
+    return measure("all_to_all", world_size, tuple(r * world_size for r in rows), repeats, device)
+
+
 def fit_link(samples: list[tuple[int, float]], world_size: int) -> tuple[float, float]:
     """(latency seconds, link bytes/s) of ``latency + 2 (n - 1) / n x bytes / link`` fitted to
     ``samples`` by least squares (latency at least 0, the link at most 1 PB/s)."""
-    moved = np.array([2 * (world_size - 1) / world_size * b for b, _ in samples], dtype=float)
-    seconds = np.array([s for _, s in samples], dtype=float)
+    return _fit([2 * (world_size - 1) / world_size * b for b, _ in samples], [s for _, s in samples])
+
+
+def fit_all_to_all(samples: list[tuple[int, float]], world_size: int) -> tuple[float, float]:
+    """(latency seconds, link bytes/s) of ``latency + (n - 1) / n x bytes / link`` (the share of
+    a rank's rows that leaves it) fitted to ``samples`` by least squares."""
+    return _fit([(world_size - 1) / world_size * b for b, _ in samples], [s for _, s in samples])
+
+
+def _fit(moved_bytes: list[float], seconds_taken: list[float]) -> tuple[float, float]:
+    """(intercept, 1 / slope) of seconds against bytes moved; through the origin when the
+    intercept would be negative."""
+    moved = np.array(moved_bytes, dtype=float)
+    seconds = np.array(seconds_taken, dtype=float)
     slope, intercept = np.polyfit(moved, seconds, 1)
     if intercept < 0:                          # through the origin instead
         intercept, slope = 0.0, float(moved @ seconds / (moved @ moved))
@@ -77,7 +128,7 @@ def _worker(argv: list[str]) -> int:
     rank, world_size, path, plan = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
     device = plan["device"]
     group = RankGroup(join_store(world_size, path), rank, world_size, device)
-    _run(group, plan["sizes"], plan["repeats"], f"cuda:{rank}" if device == "cuda" else "cpu")
+    _run(group, plan["op"], plan["sizes"], plan["repeats"], f"cuda:{rank}" if device == "cuda" else "cpu")
     return 0
 
 

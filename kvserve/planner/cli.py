@@ -232,6 +232,9 @@ def register(subparsers) -> None:
     q.add_argument("--tensor-parallel", type=int, default=None, metavar="N",
                    help="also time the engine's all-reduce among N local ranks and fit the link the planner's "
                         "tensor-parallel cost reads (interconnect latency and bandwidth)")
+    q.add_argument("--expert-parallel", type=int, default=None, metavar="N",
+                   help="also time the engine's all-to-all among N local ranks and fit the link the planner's "
+                        "expert-parallel cost reads (all_to_all latency and bandwidth)")
     q.add_argument("--price-per-hour", type=float, default=0.0)
     q.add_argument("--json", action="store_true", help="print the saved entry as JSON")
     q.set_defaults(func=run_profile)

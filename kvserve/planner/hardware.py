@@ -38,6 +38,9 @@ class HardwareSpec:
     flops: Mapping[str, float]                 # dense peak FLOP/s by compute dtype
     interconnect_bw: float = 0.0               # bytes/s per direction per device (NVLink, IF, PCIe)
     interconnect_latency_s: float = 10e-6      # one small all-reduce / all-to-all
+    all_to_all_bw: float = 0.0                 # bytes/s of expert parallelism's all-to-all as measured
+                                               # (kvserve profile --expert-parallel); 0: interconnect_bw
+    all_to_all_latency_s: float | None = None  # its fixed cost per call; None: interconnect_latency_s
     price_per_hour: float = 0.0                # $ per device-hour
     gpus_per_node: int = 8
     mem_efficiency: float = 0.80
@@ -54,6 +57,13 @@ class HardwareSpec:
                                                # "padded": batch padded to the longest sequence
     source: str = ""
     calibration: Mapping[str, Any] = field(default_factory=dict, compare=False)
+
+    def all_to_all_link(self) -> tuple[float, float]:
+        """(bytes/s, seconds per call) of one all-to-all within a node: the fitted figures where
+        ``kvserve profile --expert-parallel`` measured them, else the interconnect's."""
+        bw = self.all_to_all_bw or self.interconnect_bw
+        latency = self.interconnect_latency_s if self.all_to_all_latency_s is None else self.all_to_all_latency_s
+        return bw, latency
 
     def weight_efficiency(self, num_tokens: int) -> float:
         """Weight-streaming efficiency of a step with ``num_tokens`` tokens."""

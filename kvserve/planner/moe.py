@@ -39,8 +39,9 @@ def all_to_all_s(model: ModelSpec, hw: HardwareSpec, ep: int, tokens_per_gpu: in
         return 0.0, 0.0
     k = model.moe.experts_per_token
     sent = 2 * tokens_per_gpu * k * model.hidden_size * act_bytes * (ep - 1) / ep
-    link = hw.interconnect_bw if ep <= hw.gpus_per_node else min(hw.interconnect_bw, 50e9)
-    return sent, sent / max(link, 1.0) + 2 * hw.interconnect_latency_s
+    bw, latency = hw.all_to_all_link()
+    link = bw if ep <= hw.gpus_per_node else min(bw, 50e9)
+    return sent, sent / max(link, 1.0) + 2 * latency
 
 
 def moe_figures(model: ModelSpec, hw: HardwareSpec, ep: int, tokens_per_gpu: int,
@@ -65,7 +66,7 @@ def moe_figures(model: ModelSpec, hw: HardwareSpec, ep: int, tokens_per_gpu: int
     a2a = Figure("all_to_all_s_per_layer", secs, "s",
                  f"2 (dispatch+combine) x {tokens_per_gpu} tokens x {e.experts_per_token} experts x "
                  f"{model.hidden_size} x 2 B x ({ep}-1)/{ep} = {fmt_bytes(sent)} / "
-                 f"{fmt_rate(hw.interconnect_bw, 'B/s')} + 2 x {fmt_seconds(hw.interconnect_latency_s)} "
+                 f"{fmt_rate(hw.all_to_all_link()[0], 'B/s')} + 2 x {fmt_seconds(hw.all_to_all_link()[1])} "
                  f"= {fmt_seconds(secs)}")
     how = ("included in the step time (--expert-parallel)" if included
            else "not in the step time: experts are TP-sharded unless --expert-parallel")

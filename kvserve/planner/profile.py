@@ -228,7 +228,9 @@ def measure(args) -> HardwareSpec:
         {**hw.calibration, "bandwidth": bw, "gemm": gemm, "threads": threads, "clock": clock,
          "load_average_1m": round(os.getloadavg()[0], 2)}))
     ranks = getattr(args, "tensor_parallel", None) or 1
-    return calibrate_allreduce(hw, ranks) if ranks > 1 else hw
+    hw = calibrate_allreduce(hw, ranks) if ranks > 1 else hw
+    ep = getattr(args, "expert_parallel", None) or 1
+    return calibrate_all_to_all(hw, ep) if ep > 1 else hw
 
 
 def calibrate_allreduce(hw: HardwareSpec, ranks: int) -> HardwareSpec:
@@ -247,6 +249,24 @@ def calibrate_allreduce(hw: HardwareSpec, ranks: int) -> HardwareSpec:
               "samples": [[b, s] for b, s in samples]}
     return dataclasses.replace(hw, interconnect_bw=link, interconnect_latency_s=latency, gpus_per_node=ranks,
                                calibration=MappingProxyType({**hw.calibration, "allreduce": record}))
+
+
+def calibrate_all_to_all(hw: HardwareSpec, ranks: int) -> HardwareSpec:
+    """The entry with expert parallelism's all-to-all fitted to ``ranks`` local ranks' measured
+    ones (``kvserve.parallel.collective_bench``): ``all_to_all_latency_s`` and ``all_to_all_bw``
+    as ``moe.all_to_all_s`` reads them, and the samples in the calibration."""
+    import torch
+
+    from kvserve.parallel.collective_bench import fit_all_to_all, measure_all_to_all
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
+    print(f"timing all-to-alls among {ranks} {device} ranks ...", flush=True)
+    samples = measure_all_to_all(ranks, device=device)
+    latency, link = fit_all_to_all(samples, ranks)
+    record = {"ranks": ranks, "device": device, "latency_s": latency, "bytes_per_s": link,
+              "samples": [[b, s] for b, s in samples]}
+    return dataclasses.replace(hw, all_to_all_bw=link, all_to_all_latency_s=latency,
+                               gpus_per_node=max(hw.gpus_per_node, ranks),
+                               calibration=MappingProxyType({**hw.calibration, "all_to_all": record}))
 
 
 def summary(hw: HardwareSpec) -> list[str]:
@@ -268,6 +288,10 @@ def summary(hw: HardwareSpec) -> list[str]:
         ar = cal["allreduce"]
         lines.append(f"all-reduce among {ar['ranks']} {ar['device']} ranks: {ar['latency_s'] * 1e6:.1f} us + bytes / "
                      f"{ar['bytes_per_s'] / 1e9:.2f} GB/s (ring: 2 (n - 1) / n x bytes)")
+    if "all_to_all" in cal:
+        a2a = cal["all_to_all"]
+        lines.append(f"all-to-all among {a2a['ranks']} {a2a['device']} ranks: {a2a['latency_s'] * 1e6:.1f} us + "
+                     f"bytes / {a2a['bytes_per_s'] / 1e9:.2f} GB/s ((n - 1) / n of a rank's rows leave it)")
     return lines
 
 

@@ -60,3 +60,20 @@ def test_profile_fits_the_link_to_measured_all_reduces():
     assert hw.gpus_per_node == 2 and hw.interconnect_bw == record["bytes_per_s"] > 0
     assert hw.interconnect_latency_s == record["latency_s"] >= 0
     assert any(line.startswith("all-reduce among 2 cpu ranks") for line in summary(hw))
+
+
+def test_profile_fits_the_all_to_all_to_measured_ones():
+    """``kvserve profile --expert-parallel 2``'s step: two ranks time the engine's all-to-all
+    (the call an expert-parallel block makes) and the entry gets the fitted latency and link
+    that ``moe.all_to_all_s`` reads."""
+    from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.profile import calibrate_all_to_all, summary
+    raw = HardwareSpec(name="host", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11}, gpus_per_node=1)
+    hw = calibrate_all_to_all(raw, 2)
+    record = hw.calibration["all_to_all"]
+    assert record["ranks"] == 2 and len(record["samples"]) == 5
+    assert all(b > 0 and s > 0 for b, s in record["samples"])
+    assert [b for b, _ in record["samples"]] == sorted(b for b, _ in record["samples"])
+    assert hw.all_to_all_link() == (record["bytes_per_s"], record["latency_s"]) and record["bytes_per_s"] > 0
+    assert hw.interconnect_bw == raw.interconnect_bw                 # the all-reduce's link is its own
+    assert any(line.startswith("all-to-all among 2 cpu ranks") for line in summary(hw))
