@@ -4,8 +4,6 @@ Also batch invariance: every prompt alone gives what it gives inside the batch o
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -21,11 +19,11 @@ def greedy(max_tokens=NEW_TOKENS, logprobs=2):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(model_path, prompts):
-    """HF greedy ids, the log-softmax of each step's logits, per prompt."""
+def hf_reference(hf_model_folder, prompts):
+    """HF greedy ids, the log-softmax of each step's logits, per prompt (the GGUF as
+    transformers loads it: ``hf_model_folder``)."""
     from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_model_folder, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None
     results = []
     with torch.inference_mode():

@@ -40,6 +40,25 @@ def test_default_gguf_tensors_equal_transformers(hf_reference):
 
 
 @pytest.mark.model
+def test_the_session_hf_folder_is_transformers_gguf_load(hf_reference, hf_model_folder):
+    """The parity tests' reference (``hf_model_folder``, saved once per session) holds exactly
+    the tensors and config transformers loads from the GGUF."""
+    import json
+    model = hf_reference[1]
+    copy = transformers_from_folder(hf_model_folder)
+    assert "quantization_config" not in json.load(open(os.path.join(hf_model_folder, "config.json")))
+    theirs, ours = model.state_dict(), copy.state_dict()
+    assert set(theirs) == set(ours)
+    assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+    assert copy.config.tie_word_embeddings and copy.config.num_hidden_layers == model.config.num_hidden_layers
+
+
+def transformers_from_folder(folder: str):
+    import transformers
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+
+
+@pytest.mark.model
 def test_default_gguf_config_equals_transformers(hf_reference):
     cfg, ref = hf_reference[0].config, hf_reference[1].config
     assert (cfg.architecture, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads) == ("llama", 30, 9, 3)

@@ -38,8 +38,8 @@ def parity_prompts(prompts) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def hf_base(model_path):
-    model = hf_base_model(model_path)
+def hf_base(hf_model_folder):
+    model = hf_base_model(hf_model_folder)
     yield model
     del model
 

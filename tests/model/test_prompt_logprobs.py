@@ -3,7 +3,6 @@ logprobs) equal Hugging Face's on the same GGUF, across chunked prefill, preempt
 n > 1, and never reported twice."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -15,11 +14,10 @@ pytestmark = pytest.mark.model
 
 
 @pytest.fixture(scope="module")
-def hf_prompt_logprobs(model_path, prompts):
+def hf_prompt_logprobs(hf_model_folder, prompts):
     """log p(prompt[i] | prompt[:i]) from HF for the first 6 prompts of the set."""
     from transformers import AutoModelForCausalLM
-    folder, name = os.path.split(model_path)
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(hf_model_folder, dtype=torch.float32).eval()
     out = []
     with torch.inference_mode():
         for ids in prompts[:6]:
