@@ -6,8 +6,12 @@
    ``--router least_loaded`` (the trace's prompts share no prefix).
 3. An open-loop trace whose rate steps up, then down (``--phases``), streamed through the ingress
    (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas.
+   Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time, then a full batch)
+   measures the host as the cluster's engines see it: how much slower they step than the profile
+   and the latency the serving path adds to a first token.
 4. The simulator plays the same requests through one deployment with the cluster's limits and
-   autoscaling settings, the profile's step times, and the replica start the cluster took.
+   autoscaling settings, the profile's step times slowed by the probe's factor, the probe's path
+   latency, and the replica start the cluster took (``profile_alone``: on the bare profile).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
 
@@ -56,39 +60,66 @@ def profile(path: str | None = None, repeats: int | None = None) -> str:
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0) -> tuple[dict, object, object]:
-    """Run the cluster on the trace, simulate the same trace, compare (the module docstring):
+    """Run the cluster on the probe and the trace, simulate both, compare (the module docstring):
     (the comparison, the measured log, the simulated log)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
-    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, simulate_autoscaled
-    from kvserve.fleetsim.replay import replay_and_watch, running_steps, start_durations
+    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
+    from kvserve.fleetsim.host_fit import fit_host, probe_trace
+    from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
     from kvserve.loader.api import default_model_path
-    from kvserve.planner.dtypes import kv_dtype, weight_dtype
-    from kvserve.planner.model_io import model_from_gguf
-    from kvserve.planner.hardware import load_hardware_file
-    from kvserve.planner.roofline import cost_model
 
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
     args = build_parser().parse_args(["cluster", "serve", *flags])
     settings = settings_from_args(args, default_model_path())
-    hw = load_hardware_file(hw_path)
-    wdtype = dict(hw.calibration).get("weight_dtype", "bf16")
-    cm = cost_model(model_from_gguf(default_model_path()), hw, weight_dtype(wdtype), kv_dtype(wdtype), 1)
-    trace = phased_trace(phases, 128.0, 24.0, seed)
+    simulate = _Simulator(hw_path, args, settings)
+    trace, probe = phased_trace(phases, 128.0, 24.0, seed), probe_trace(args.max_num_seqs)
+    vocab = simulate.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
-        measured, served_by, changes = asyncio.run(replay_and_watch(cluster.url, trace, cm.model.vocab_size))
+        probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1))
+        measured, served_by, changes = asyncio.run(replay_and_watch(cluster.url, trace, vocab))
     starts = start_durations(changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
-    kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
-    simulated, sim_steps = simulate_autoscaled(trace, cm, args.max_num_seqs, args.max_num_batched_tokens, kv_tokens,
-                                               settings, start_s)
+    fit = fit_host(probed, lambda factor: simulate(probe, factor)[0], one_at_a_time=len(probe) - args.max_num_seqs)
+    simulated, sim_steps = simulate(trace, fit.slowdown, start_s, fit.path_latency_s)
     end = sum(seconds for seconds, _ in phases)
     result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
+    on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, start_s), end)
+    hw = simulate.hw
     return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
             "replica_starts_measured_s": [round(s, 2) for s in starts],
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "measured_requests_per_replica": dict(Counter(map(str, served_by))), **result}, measured, simulated
+            "host_fit": fit.as_dict(), "measured_requests_per_replica": dict(Counter(map(str, served_by))),
+            **result, "profile_alone": {"simulated": on_profile["simulated"], "ratio": on_profile["ratio"]}}, \
+        measured, simulated
+
+
+class _Simulator:
+    """``sim(log, slowdown, start_s=0, path_latency_s=0)``: ``log`` through the simulated
+    deployment (the cluster's settings) on the hardware entry slowed by ``slowdown``
+    (``host_fit.slowed``): (the filled log, the serving replica count's steps)."""
+
+    def __init__(self, hw_path: str, args, settings):
+        from kvserve.loader.api import default_model_path
+        from kvserve.planner.hardware import load_hardware_file
+        from kvserve.planner.model_io import model_from_gguf
+        self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
+        self.args, self.settings = args, settings
+
+    def cost(self, slowdown: float):
+        from kvserve.fleetsim.host_fit import slowed
+        from kvserve.planner.dtypes import kv_dtype, weight_dtype
+        from kvserve.planner.roofline import cost_model
+        wdtype = dict(self.hw.calibration).get("weight_dtype", "bf16")
+        return cost_model(self.model, slowed(self.hw, slowdown), weight_dtype(wdtype), kv_dtype(wdtype), 1)
+
+    def __call__(self, log, slowdown: float, start_s: float = 0.0, path_latency_s: float = 0.0):
+        from kvserve.fleetsim.cluster_check import simulate_autoscaled
+        cm = self.cost(slowdown)
+        kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
+        return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
+                                   self.settings, start_s, path_latency_s)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

@@ -4,7 +4,8 @@ One model on ``kvserve cluster serve --autoscale tokens``: a trace whose rate st
 down (``phased_trace``) makes the autoscaler add a replica and later remove it. The same
 requests go through ``simulate_autoscaled``: one simulated deployment with the cluster's limits
 (``max_num_seqs``, ``max_num_batched_tokens``, KV pool), step times from the hardware entry
-``kvserve profile`` measured on this machine, the cluster's autoscaling settings
+``kvserve profile`` measured on this machine (slowed by the factor ``host_fit`` measured through
+the running cluster, with its serving-path latency), the cluster's autoscaling settings
 (``AutoscaleSettings``: the same capacity, headroom, demand window and down-scaling window; the
 decisions' rhythm and delay from Ray Serve's metrics pipeline, ``ray_decision_timing``) and the
 replica start the cluster was measured to take.
@@ -57,17 +58,21 @@ def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
 
 
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
-                        settings, start_s: float) -> tuple[RequestLog, list[tuple[float, int]]]:
+                        settings, start_s: float, path_latency_s: float = 0.0
+                        ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
     the serving replica count's step function). A hot model's first replica serves at time 0, as
-    the cluster's does (it is up before the trace starts); decisions follow ``ray_decision_timing``."""
+    the cluster's does (it is up before the trace starts); decisions follow ``ray_decision_timing``.
+    A request reaches the replica ``path_latency_s`` after it is sent (``host_fit``: the serving
+    path's hops); its TTFT counts from the send."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
     sizing = ReplicaSizing(MODEL, 1, max_num_seqs, max_batched_tokens, kv_tokens, cost, capacity, 0.0,
                            ColdStartLayers(start_s, 0.0, 0.0, 0.0))
     log = trace.fresh()
+    log.arrival = [t + path_latency_s for t in trace.arrival]
     interval, delay = ray_decision_timing(settings.demand_window_s)
     scenario = Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),),
                         duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0,
@@ -76,7 +81,9 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
                         headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
                         max_queue_wait_s=float("inf"), policies=("tiers_tokens",))
     sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0])
-    return log, [(t, counts[0]) for t, counts in sim.run()["serving"]]
+    serving = sim.run()["serving"]
+    log.arrival = list(trace.arrival)
+    return log, [(t, counts[0]) for t, counts in serving]
 
 
 def sample_steps(steps: list[tuple[float, int]], end_s: float, every_s: float = 1.0) -> np.ndarray:

@@ -1,0 +1,57 @@
+"""Tier 1: the in-place host fit of the simulator-vs-cluster check (``fleetsim/host_fit.py``,
+``cluster_check.simulate_autoscaled``): a probe played on a known slower host with a known
+serving-path latency is fitted back to both, and the path latency reaches TTFT only."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvserve.cluster.autoscaling import AutoscaleSettings
+from kvserve.fleetsim.cluster_check import simulate_autoscaled
+from kvserve.fleetsim.host_fit import fit_host, probe_trace, slowed
+from kvserve.planner.dtypes import kv_dtype, weight_dtype
+from kvserve.planner.hardware import CATALOG
+from kvserve.planner.presets import preset
+from kvserve.planner.roofline import cost_model
+
+HW = CATALOG["h100-sxm"]
+SETTINGS = AutoscaleSettings("tokens", "hot", 1, 2, prefill_tokens_per_s=1e6, decode_tokens_per_s=1e5,
+                             demand_window_s=5.0, downscale_window_s=20.0)
+
+
+def _simulate(log, slowdown: float, path_latency_s: float = 0.0):
+    cm = cost_model(preset("llama-3-8b"), slowed(HW, slowdown), weight_dtype("bf16"), kv_dtype("bf16"), 1)
+    return simulate_autoscaled(log, cm, 4, 1024, 100_000, SETTINGS, 0.0, path_latency_s)[0]
+
+
+def test_slowed_divides_every_rate_and_multiplies_every_overhead():
+    hw = slowed(HW, 2.0)
+    assert hw.mem_bandwidth == HW.mem_bandwidth / 2 and hw.flops["bf16"] == HW.flops["bf16"] / 2
+    assert hw.step_overhead_s == HW.step_overhead_s * 2 and hw.seq_overhead_s == HW.seq_overhead_s * 2
+    assert slowed(HW, 1.0).mem_bandwidth == HW.mem_bandwidth
+
+
+def test_the_path_latency_reaches_ttft_and_nothing_else():
+    probe = probe_trace(4)
+    bare, late = _simulate(probe, 1.0).arrays(), _simulate(probe, 1.0, 0.25).arrays()
+    np.testing.assert_allclose(late["ttft_s"] - bare["ttft_s"], 0.25, atol=1e-9)
+    np.testing.assert_allclose(late["tpot_s"], bare["tpot_s"], rtol=1e-9)
+    assert late["arrival_s"].tolist() == probe.arrival       # TTFT counts from the send
+
+
+@pytest.mark.parametrize("slowdown,path", [(1.0, 0.0), (1.6, 0.12), (3.0, 0.4)])
+def test_the_fit_recovers_a_known_host(slowdown, path):
+    probe = probe_trace(4)
+    measured = _simulate(probe, slowdown, path)
+    fit = fit_host(measured, lambda factor: _simulate(probe, factor), one_at_a_time=len(probe) - 4)
+    assert fit.slowdown == pytest.approx(slowdown, rel=1e-6)
+    assert fit.path_latency_s == pytest.approx(path, abs=1e-9)
+    assert fit.measured_ttft_s == pytest.approx(fit.slowed_ttft_s + path, abs=1e-9)
+
+
+def test_a_probe_not_fully_served_is_refused():
+    probe = probe_trace(2)
+    measured = _simulate(probe, 1.0)
+    measured.first_token_s[0] = float("nan")
+    with pytest.raises(RuntimeError, match="not fully served"):
+        fit_host(measured, lambda factor: _simulate(probe, factor), one_at_a_time=4)
