@@ -100,6 +100,23 @@ def measure_all_to_all(world_size: int, rows: tuple[int, ...] = ALL_TO_ALL_ROWS,
     return measure("all_to_all", world_size, tuple(r * world_size for r in rows), repeats, device)
 
 
+def calibrate(op: str, world_size: int) -> dict:
+    """Time ``op`` (``all_reduce`` or ``all_to_all``) among ``world_size`` local ranks (CUDA
+    ranks when there are that many devices, else CPU) and fit its link: ``ranks``, ``device``,
+    ``latency_s``, ``bytes_per_s`` and the ``samples`` ([bytes, seconds])."""
+    import torch
+    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
+    print(f"timing {op.replace('_', '-')}s among {world_size} {device} ranks ...", flush=True)
+    if op == "all_reduce":
+        samples = measure_allreduce(world_size, device=device)
+        latency, link = fit_link(samples, world_size)
+    else:
+        samples = measure_all_to_all(world_size, device=device)
+        latency, link = fit_all_to_all(samples, world_size)
+    return {"ranks": world_size, "device": device, "latency_s": latency, "bytes_per_s": link,
+            "samples": [[b, s] for b, s in samples]}
+
+
 def fit_link(samples: list[tuple[int, float]], world_size: int) -> tuple[float, float]:
     """(latency seconds, link bytes/s) of ``latency + 2 (n - 1) / n x bytes / link`` fitted to
     ``samples`` by least squares (latency at least 0, the link at most 1 PB/s)."""

@@ -238,33 +238,19 @@ def calibrate_allreduce(hw: HardwareSpec, ranks: int) -> HardwareSpec:
     (``kvserve.parallel.collective_bench``): ``interconnect_latency_s`` and ``interconnect_bw``
     as ``roofline.allreduce_s`` reads them, ``gpus_per_node`` = ``ranks`` (they share the link),
     and the samples in the calibration."""
-    import torch
-
-    from kvserve.parallel.collective_bench import fit_link, measure_allreduce
-    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
-    print(f"timing all-reduces among {ranks} {device} ranks ...", flush=True)
-    samples = measure_allreduce(ranks, device=device)
-    latency, link = fit_link(samples, ranks)
-    record = {"ranks": ranks, "device": device, "latency_s": latency, "bytes_per_s": link,
-              "samples": [[b, s] for b, s in samples]}
-    return dataclasses.replace(hw, interconnect_bw=link, interconnect_latency_s=latency, gpus_per_node=ranks,
-                               calibration=MappingProxyType({**hw.calibration, "allreduce": record}))
+    from kvserve.parallel.collective_bench import calibrate
+    record = calibrate("all_reduce", ranks)
+    return dataclasses.replace(hw, interconnect_bw=record["bytes_per_s"], interconnect_latency_s=record["latency_s"],
+                               gpus_per_node=ranks, calibration=MappingProxyType({**hw.calibration, "allreduce": record}))
 
 
 def calibrate_all_to_all(hw: HardwareSpec, ranks: int) -> HardwareSpec:
     """The entry with expert parallelism's all-to-all fitted to ``ranks`` local ranks' measured
     ones (``kvserve.parallel.collective_bench``): ``all_to_all_latency_s`` and ``all_to_all_bw``
     as ``moe.all_to_all_s`` reads them, and the samples in the calibration."""
-    import torch
-
-    from kvserve.parallel.collective_bench import fit_all_to_all, measure_all_to_all
-    device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "cpu"
-    print(f"timing all-to-alls among {ranks} {device} ranks ...", flush=True)
-    samples = measure_all_to_all(ranks, device=device)
-    latency, link = fit_all_to_all(samples, ranks)
-    record = {"ranks": ranks, "device": device, "latency_s": latency, "bytes_per_s": link,
-              "samples": [[b, s] for b, s in samples]}
-    return dataclasses.replace(hw, all_to_all_bw=link, all_to_all_latency_s=latency,
+    from kvserve.parallel.collective_bench import calibrate
+    record = calibrate("all_to_all", ranks)
+    return dataclasses.replace(hw, all_to_all_bw=record["bytes_per_s"], all_to_all_latency_s=record["latency_s"],
                                gpus_per_node=max(hw.gpus_per_node, ranks),
                                calibration=MappingProxyType({**hw.calibration, "all_to_all": record}))
 
