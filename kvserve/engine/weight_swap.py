@@ -56,6 +56,7 @@ def _check_swappable(engine) -> None:
 def load_weights(engine, model_path: str) -> dict:
     """Swap in the checkpoint at ``model_path``; returns the new epoch and the seconds it took."""
     from kvserve.engine.model_loading import load_model
+    from kvserve.engine.startup_gc import refreeze_after_release
     from kvserve.loader import load_checkpoint
     _require_idle(engine, "load weights")
     _check_swappable(engine)
@@ -68,6 +69,7 @@ def load_weights(engine, model_path: str) -> dict:
                                   "needs the same architecture; restart the replica on it", param="model")
     device, dtype = engine.runner.device, engine.dtype
     engine.runner.model = load_model(checkpoint, device, dtype, engine.config.quantization)
+    refreeze_after_release()                       # the old model's cycles, frozen at start-up
     epoch = engine.bump_weight_epoch()
     seconds = time.perf_counter() - started
     logger.info("weights loaded in place from %s in %.2f s: weight epoch %d", model_path, seconds, epoch)

@@ -248,6 +248,7 @@ def serve(sock: socket.socket, make_loop=EngineLoop, extra_keys: tuple[str, ...]
     ``make_loop(engine, sock, **extras)`` builds the loop (an ``EngineLoop`` subclass, e.g.
     kvserve/disagg/worker.py's); ``extra_keys`` are InitEngine entries that are not
     EngineConfig fields, taken out and passed to it as ``extras``."""
+    from kvserve.engine.startup_gc import freeze_startup_objects
     from kvserve.errors import KVServeError
     init = _read_init(sock)
     extras = {key: init.engine_config.pop(key) for key in extra_keys if key in init.engine_config}
@@ -261,6 +262,7 @@ def serve(sock: socket.socket, make_loop=EngineLoop, extra_keys: tuple[str, ...]
         sock.sendall(codec.encode(codec.EngineFailed(err.http_status, err.to_dict())))
         return 2
     loop = make_loop(engine, sock, **extras)
+    freeze_startup_objects()
     loop.send(codec.EngineReady(
         max_model_len=engine.max_model_len, vocab_size=engine.model_config.vocab_size,
         num_blocks=engine.kv.num_blocks, block_size=engine.config.block_size,

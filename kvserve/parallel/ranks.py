@@ -71,6 +71,7 @@ def worker_main(rank: int, spec: RankSpec, parent_pid: int) -> None:
     from kvserve.engine.kv.tensors import allocate_kv_cache
     from kvserve.engine.model_loading import load_model, torch_dtype
     from kvserve.engine.model_runner import ModelRunner
+    from kvserve.engine.startup_gc import freeze_startup_objects
     from kvserve.loader import load_checkpoint
     from kvserve.parallel.group import RankGroup, join_store
     from kvserve.parallel.tensor_parallel import TensorParallelModel
@@ -91,6 +92,7 @@ def worker_main(rank: int, spec: RankSpec, parent_pid: int) -> None:
             from kvserve.parallel.lora_shards import RankAdapters
             adapters = RankAdapters(model, spec.lora_slots, spec.lora_max_rank, device, dtype, rank, spec.world_size)
             handlers["lora_write"], batch = adapters.write, adapters.batch
+        freeze_startup_objects()
         serve_commands(group, ModelRunner(model, kv_cache, backend, spec.block_size, device, batch_context=batch),
                        handlers)
     except Exception:               # rank 0 gone mid-collective, or a broken shard: leave loudly
