@@ -178,9 +178,8 @@ def bench_ep(quick: bool) -> dict:
     output_tokens = 8 if quick else 32
     result = {"model": "random Qwen2-MoE: 4 layers, hidden 256, 16 experts x 256, top-2, shared 512 (fp32)",
               "prompt_tokens": 16, "output_tokens": output_tokens, "layouts": {}}
+    result["planner_all_to_all"] = planner_all_to_all(folder, batches)    # before any engine runs here
     for ep, threads in ((1, 2), (2, 1)):
-        if ep == 2:
-            result["planner_all_to_all"] = planner_all_to_all(folder, batches)
         llm = LLM(folder, dtype="float32", kv_cache_bytes=64 * 2**20, tensor_parallel_size=ep, num_threads=threads,
                   enable_prefix_cache=False, max_num_seqs=64)
         try:

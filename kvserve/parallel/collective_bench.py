@@ -17,6 +17,7 @@ Both by least squares on the samples.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -45,23 +46,34 @@ def _operand(op: str, size: int, device: str):
 
 def _run(group, op: str, sizes: list[int], repeats: int, device: str) -> list[tuple[int, float]]:
     """Every rank: two warm-up calls then ``repeats`` timed ones per size; (bytes this rank
-    passes in, best seconds)."""
+    passes in, best seconds). CPU ranks time with their share of the host's cores as torch
+    threads (``cores // ranks``, as ranks that share a host run): with more, a large copy's
+    threads wait for a core another rank spins on, and a call takes a scheduler tick (~20 ms)."""
     import torch
-    out = []
-    for size in sizes:
-        x = _operand(op, size, device)
-        best = float("inf")
-        for i in range(repeats + 2):
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            started = time.perf_counter()
-            _call(group, op, x)
-            if device.startswith("cuda"):
-                torch.cuda.synchronize()
-            if i >= 2:
-                best = min(best, time.perf_counter() - started)
-        out.append((x.numel() * 4, best))
-    return out
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    try:
+        return [_time_size(group, op, size, repeats, device) for size in sizes]
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _time_size(group, op: str, size: int, repeats: int, device: str) -> tuple[int, float]:
+    """(bytes passed in, the best of ``repeats`` timed calls after two warm-ups) for one size."""
+    import torch
+    x = _operand(op, size, device)
+    best = float("inf")
+    for i in range(repeats + 2):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        _call(group, op, x)
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= 2:
+            best = min(best, time.perf_counter() - started)
+    return x.numel() * 4, best
 
 
 def measure(op: str, world_size: int, sizes: tuple[int, ...], repeats: int = 20,
