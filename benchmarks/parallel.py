@@ -200,13 +200,12 @@ def planner_all_to_all(folder: str, batches: list[int]) -> dict:
     all-to-all fitted to this host's measured ones (``kvserve profile --expert-parallel 2``'s
     fit), to set beside the measured per-forward p50 (which also holds the slices' all-gather)."""
     from kvserve.loader import load_checkpoint
-    from kvserve.parallel.collective_bench import fit_all_to_all, measure_all_to_all
     from kvserve.planner.hardware import HardwareSpec
     from kvserve.planner.moe import all_to_all_s
-    from kvserve.planner.profile import model_from_engine
-    latency, link = fit_all_to_all(measure_all_to_all(2), 2)
-    hw = HardwareSpec(name="this host, 2 ranks", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11},
-                      all_to_all_bw=link, all_to_all_latency_s=latency, gpus_per_node=2)
+    from kvserve.planner.profile import calibrate_all_to_all, model_from_engine
+    hw = calibrate_all_to_all(HardwareSpec(name="this host", memory_bytes=24e9, mem_bandwidth=28e9,
+                                           flops={"fp32": 1.6e11}, gpus_per_node=2), 2)
+    link, latency = hw.all_to_all_link()
     model = model_from_engine(load_checkpoint(folder).config)
     return {"fitted_latency_us": round(latency * 1e6, 1), "fitted_link_GBps": round(link / 1e9, 2),
             "per_forward_ms": [[b, round(all_to_all_s(model, hw, 2, -(-b // 2), 4.0)[1] * 1e3, 4)] for b in batches]}

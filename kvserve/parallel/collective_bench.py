@@ -119,12 +119,10 @@ def calibrate(op: str, world_size: int) -> dict:
     import torch
     device = "cuda" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "cpu"
     print(f"timing {op.replace('_', '-')}s among {world_size} {device} ranks ...", flush=True)
-    if op == "all_reduce":
-        samples = measure_allreduce(world_size, device=device)
-        latency, link = fit_link(samples, world_size)
-    else:
-        samples = measure_all_to_all(world_size, device=device)
-        latency, link = fit_all_to_all(samples, world_size)
+    measure_op, fit = {"all_reduce": (measure_allreduce, fit_link),
+                       "all_to_all": (measure_all_to_all, fit_all_to_all)}[op]
+    samples = measure_op(world_size, device=device)
+    latency, link = fit(samples, world_size)
     return {"ranks": world_size, "device": device, "latency_s": latency, "bytes_per_s": link,
             "samples": [[b, s] for b, s in samples]}
 

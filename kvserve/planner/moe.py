@@ -63,10 +63,11 @@ def moe_figures(model: ModelSpec, hw: HardwareSpec, ep: int, tokens_per_gpu: int
     epg = Figure("experts_per_gpu", float(per_gpu), "experts",
                  f"{e.num_experts} experts / EP {ep} = {per_gpu} per GPU per layer")
     sent, secs = all_to_all_s(model, hw, ep, tokens_per_gpu)
+    link, latency = hw.all_to_all_link()
     a2a = Figure("all_to_all_s_per_layer", secs, "s",
                  f"2 (dispatch+combine) x {tokens_per_gpu} tokens x {e.experts_per_token} experts x "
                  f"{model.hidden_size} x 2 B x ({ep}-1)/{ep} = {fmt_bytes(sent)} / "
-                 f"{fmt_rate(hw.all_to_all_link()[0], 'B/s')} + 2 x {fmt_seconds(hw.all_to_all_link()[1])} "
+                 f"{fmt_rate(link, 'B/s')} + 2 x {fmt_seconds(latency)} "
                  f"= {fmt_seconds(secs)}")
     how = ("included in the step time (--expert-parallel)" if included
            else "not in the step time: experts are TP-sharded unless --expert-parallel")
