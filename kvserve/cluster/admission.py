@@ -24,6 +24,12 @@ from kvserve.engine.service_class import ServiceClass
 CLASS_ORDER = {ServiceClass.INTERACTIVE: 0, ServiceClass.CHAT: 1, ServiceClass.BATCH: 2}
 
 
+def fleet_slots(max_replicas: int, max_num_seqs: int, queue_wait_s: float | None) -> int | None:
+    """The queue's fleet slots: the most replicas the fleet runs x ``max_num_seqs``; None (no
+    queue at the ingress: Ray Serve's FIFO) when the wait bound is unset or 0."""
+    return max_replicas * max_num_seqs if queue_wait_s and queue_wait_s > 0 else None
+
+
 class QueueTimeout(Exception):
     """No fleet slot freed within the wait; ``retry_after_s`` is a whole number of seconds."""
 

@@ -12,6 +12,7 @@ import sys
 import threading
 
 from kvserve.cluster.ray_runtime import LOOPBACK, gcs_address, logs_dir, start_local_ray, stop_local_ray  # first: pins Ray to loopback
+from kvserve.cluster.admission import fleet_slots
 from kvserve.cluster.ingress import Ingress
 from kvserve.cluster.ladder import LadderSettings
 from kvserve.cluster.overflow import FallbackTarget
@@ -65,7 +66,7 @@ def ingress_admission(args: argparse.Namespace, tenants, scaling: AutoscaleSetti
     caps = (getattr(args, "default_max_tokens", 2048) or None, getattr(args, "max_tokens_limit", None))
     wait_s = getattr(args, "queue_wait_s", 60.0)
     replicas = scaling.max_replicas if scaling is not None else args.replicas
-    slots = replicas * args.max_num_seqs if wait_s and wait_s > 0 else None
+    slots = fleet_slots(replicas, args.max_num_seqs, wait_s)
     breakers = (getattr(args, "breaker_failures", 3), getattr(args, "breaker_open_s", 5.0))
     return {"tenant_limits": limits, "caps": caps, "fleet_slots": slots, "queue_wait_s": wait_s if slots else None,
             "breakers": breakers}

@@ -7,7 +7,10 @@ A request for a model with ready replicas goes where the router's policy
 ``ReplicaState``. With none ready it waits in the deployment's queue (as the cluster's
 ``assign_wait`` does) and, if nothing is starting, a replica is started at once (scale from
 zero); a queued request older than ``max_queue_wait_s`` is answered 503 + Retry-After
-(rejected). A replica costs from the moment it is asked for (its GPUs are held while it
+(rejected). With ``slots`` (the cluster ingress's fleet slots, ``cluster/admission.py``) at
+most that many requests are on the replicas at once: the others wait in the same queue, first
+come first served (one model has one class), and each request that finishes hands its slot to
+the head of the queue, routed then to whichever replica the policy picks. A replica costs from the moment it is asked for (its GPUs are held while it
 starts) until it has drained.
 """
 from __future__ import annotations
@@ -28,8 +31,10 @@ class Deployment:
     """One model's replicas and queue (the module docstring)."""
 
     def __init__(self, index: int, sizing: ReplicaSizing, tier: ResidencyTier, log: RequestLog,
-                 replica_factory=BatchReplica, router: str = "least_loaded"):
+                 replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None):
         self.index = index
+        self.slots = slots                             # requests on the replicas at most (None: no bound)
+        self.in_flight = 0                             # requests routed and not finished
         self.sizing = sizing
         self.tier = tier
         self.log = log
@@ -83,10 +88,27 @@ class Deployment:
         replica.owner = self.index
         self.ready.append(replica)
         self.states[name] = ReplicaState(name, max_num_seqs=self.sizing.max_num_seqs)
+        return self._admit_queued(now)
+
+    def finished(self, count: int, now: float) -> list[tuple[object, float]]:
+        """``count`` requests finished: their slots go to the queue's head; (replica, next event) pairs."""
+        self.in_flight -= count
+        return self._admit_queued(now)
+
+    def _has_slot(self) -> bool:
+        return self.slots is None or self.in_flight < self.slots
+
+    def _admit_queued(self, now: float) -> list[tuple[object, float]]:
+        """Route queued requests, oldest first, while a replica is ready and a slot free."""
         events = []
-        while self.queue:
+        while self.queue and self.ready and self._has_slot():
             events.append(self.route(self.queue.popleft(), now))
         return [e for e in events if e[1] is not None]
+
+    @property
+    def queued_without_replica(self) -> int:
+        """Requests waiting because no replica serves (what Ray Serve's handle queue counts)."""
+        return 0 if self.ready else len(self.queue)
 
     def stop_replicas(self, count: int, now: float) -> None:
         """Remove ``count`` replicas: starting ones first (newest), then the least busy serving ones."""
@@ -112,13 +134,13 @@ class Deployment:
 
     # -- requests -------------------------------------------------------------------------------
     def arrive(self, request: int, now: float) -> tuple[object, float | None] | None:
-        """A new request: routed, or queued for a first replica (None)."""
+        """A new request: routed, or queued for a first replica or a slot (None)."""
         self.window_tokens[0] += self.log.prompt[request]
         self.window_tokens[1] += self.log.output[request]
-        if self.ready:
+        if self.ready and self._has_slot() and not self.queue:
             return self.route(request, now)
         self.queue.append(request)
-        self.log.waited_for_start[request] = True
+        self.log.waited_for_start[request] = not self.ready
         return None
 
     def route(self, request: int, now: float) -> tuple[object, float | None]:
@@ -131,6 +153,7 @@ class Deployment:
                 state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
             name = self.policy.choose(list(self.states.values()), _NO_TOKENS).replica
             replica = next(r for r in self.ready if r.name == name)
+        self.in_flight += 1
         return replica, replica.submit(request, now)
 
     def expire_queue(self, now: float, max_wait_s: float) -> int:

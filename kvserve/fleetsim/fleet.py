@@ -2,7 +2,8 @@
 the residency tiers of one fleet policy.
 
 Events, in time order (ties by insertion): a request's arrival (routed or queued), a
-replica's segment end (``BatchReplica.complete``), a replica becoming ready, the autoscaler
+replica's segment end (``BatchReplica.complete``; the slots of the requests it finished go to
+the deployment's queue), a replica becoming ready, the autoscaler
 tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
 model's ``ModelScaler`` decides; the decision takes effect ``decision_delay_s`` later, the age of
 the metrics a real controller decides from), and the re-tiering tick (every ``retier_interval_s``). No
@@ -40,7 +41,7 @@ class FleetSim:
         self.deployments, self.scalers = [], []
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
-            dep = Deployment(i, sizing, tier, log, replica_factory)
+            dep = Deployment(i, sizing, tier, log, replica_factory, slots=scenario.ingress_slots)
             wanted = self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i])
             for _ in range(wanted):
                 name, _ready = dep.start_replica(0.0)
@@ -91,11 +92,12 @@ class FleetSim:
             t_next = arrival[request]
             while heap and heap[0][0] <= t_next:
                 self._handle(heapq.heappop(heap))
-            routed = deps[model[request]].arrive(request, t_next)
-            if routed is None:
-                self._scale_from_zero(deps[model[request]], t_next)
-            else:
+            dep = deps[model[request]]
+            routed = dep.arrive(request, t_next)
+            if routed is not None:
                 self._replica_event(*routed)
+            elif not dep.ready:
+                self._scale_from_zero(dep, t_next)
         while heap:
             self._handle(heapq.heappop(heap))
         end = max(s.duration_s, max((self.log.finish_s[i] for i in range(len(arrival))), default=0.0))
@@ -107,8 +109,12 @@ class FleetSim:
         t, _, kind, a, b = event
         if kind == REPLICA:
             if a.version == b:
+                finished = a.finished_total
                 self._replica_event(a, a.complete(t))
                 dep = self.deployments[a.owner]
+                if a.finished_total > finished:
+                    for replica, nxt in dep.finished(a.finished_total - finished, t):
+                        self._replica_event(replica, nxt)
                 if a.idle and dep.draining:
                     dep.release_drained(t)
         elif kind == READY:
@@ -137,7 +143,7 @@ class FleetSim:
             self.rejected += dep.expire_queue(now, s.max_queue_wait_s)
             if not dep.held and not dep.queue and dep.tier is not ResidencyTier.HOT:
                 continue                       # nothing runs or waits: desired is 0 (bounds allow it)
-            want = scaler.decide(now, dep.tier, dep.active, dep.counters(now), len(dep.queue))
+            want = scaler.decide(now, dep.tier, dep.active, dep.counters(now), dep.queued_without_replica)
             if s.decision_delay_s > 0:
                 self._push(now + s.decision_delay_s, APPLY, dep.index, want)
             else:

@@ -52,6 +52,7 @@ class BatchReplica:
         self.segment: tuple | None = None              # ("run", t0, dt, k) or ("step", t_end, chunks)
         self.prompt_tokens_total = 0                   # prompt tokens computed
         self.generation_tokens_total = 0
+        self.finished_total = 0                        # requests finished (the deployment frees their slots)
         self.version = 0                               # bumped by the fleet loop when the next event moves
         self.owner = -1                                # the deployment's index (set by the fleet)
         self.held = HeldRequests()
@@ -165,6 +166,7 @@ class BatchReplica:
             size = log.prompt[request] + log.output[request]
             self.ctx_sum -= size
             self.reserved -= size
+            self.finished_total += 1
             log.finish(request, now)
 
     def _apply_step(self, chunks: list, now: float) -> None:
@@ -186,6 +188,7 @@ class BatchReplica:
             if output <= 1:
                 self.ctx_sum -= log.prompt[request] + 1
                 self.reserved -= log.prompt[request] + output
+                self.finished_total += 1
                 log.finish(request, now)
             else:
                 heapq.heappush(self.finishes, (self.steps + output - 1, request))

@@ -64,6 +64,7 @@ class Scenario:
     downscale_window_s: float = 300.0
     headroom: float = 1.25
     max_queue_wait_s: float = 120.0      # a request for a model with no replica waits at most this
+    ingress_slots: int | None = None     # per model, requests on its replicas at most (the cluster ingress's queue)
     retier_interval_s: float = 600.0
     host_cache_bytes: float = 256 * 2**30
     max_replicas: int = 64

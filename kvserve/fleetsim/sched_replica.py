@@ -8,7 +8,9 @@ synthetic ``StepResult`` (one placeholder token per sampling sequence, ``ignore_
 (``planner/simulate.step_work``). So token budget, ``max_num_seqs``, chunked prefill,
 admission order and recompute preemption are the engine's own. One event per step makes it
 ~100x slower than the coalesced ``BatchReplica``: it is the reference for short traces
-(``kvserve simulate --replica scheduler``, and the test that holds the two together).
+(``kvserve simulate --replica scheduler``, the test that holds the two together, and the
+simulator-vs-cluster check, whose replicas share one host: ``host``, ``host_cpu.SharedHost``,
+multiplies each step's time by the host's contention factor when the step starts).
 """
 from __future__ import annotations
 
@@ -31,8 +33,9 @@ _TOKEN = 1
 class SchedulerReplica:
     """One simulated replica driven by the engine's scheduler (the module docstring)."""
 
-    def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog):
+    def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog, host=None):
         self.name = name
+        self.host = host                               # a SharedHost, or None: the replica has its own
         self.log = log
         self.cost = sizing.cost
         self.kv_tokens = sizing.kv_tokens
@@ -43,6 +46,7 @@ class SchedulerReplica:
         self.first_seen: set[int] = set()
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.finished_total = 0                        # requests finished (the deployment frees their slots)
         self.version = 0
         self.owner = -1
         self.held = HeldRequests()
@@ -83,12 +87,15 @@ class SchedulerReplica:
                 self.log.first_token(request, now)
             if update.finish_reason is not None:
                 self.first_seen.discard(request)
+                self.finished_total += 1
                 self.log.finish(request, now)
         self.held.update(now, self.num_running + self.num_waiting)
         return self._step(now)
 
     def _step(self, now: float) -> float | None:
         if not self.sched.has_unfinished():
+            if self.host is not None:
+                self.host.idle(self.name)
             return None
         plan = self.sched.schedule()
         if plan.is_empty:
@@ -98,4 +105,8 @@ class SchedulerReplica:
                           sum(s.sample for s in plan.scheduled))
         self.prompt_tokens_total += sum(max(0, min(s.start_position + s.num_tokens, len(s.prompt_token_ids))
                                             - s.start_position) for s in plan.scheduled)
-        return now + step_time(self.cost, step_work(shape, self.cost.hw.kv_read_mode, BLOCK_SIZE)).total_s
+        seconds = step_time(self.cost, step_work(shape, self.cost.hw.kv_read_mode, BLOCK_SIZE)).total_s
+        if self.host is not None:
+            self.host.busy(self.name, shape.num_sampled / seconds)
+            seconds *= self.host.factor()
+        return now + seconds

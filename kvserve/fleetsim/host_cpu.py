@@ -1,0 +1,122 @@
+"""The host's cores, shared by a local cluster's engines and its serving plane.
+
+On one machine the cluster's engine processes and the serving plane (Ray's proxy, the ingress,
+the replica actors, the client, Ray's own processes) share the cores. A busy engine running
+``threads`` torch threads wants that many cores the whole time it steps; the plane wants CPU
+for every token it streams. When together they want more than the host has, every process
+slows by the same factor (the kernel shares the cores). With ``n`` engines busy, the plane's
+``c`` core-seconds per streamed token at the engines' unslowed rate ``R`` tokens/s (which the
+factor slows too), ``b`` background cores and ``C`` cores, the factor ``s`` (at least 1) solves
+
+    s x C = n x threads + b + c x R / s.
+
+``PlaneFit`` measures ``c`` and ``b`` in place (``host_fit``'s probe): ``b`` = the machine's busy
+cores (``/proc/stat``) while the cluster idles; ``c`` = the machine's busy core-seconds over
+the probe, less the background and the engine processes' own CPU (``/proc/PID/stat`` of every
+process running ``kvserve.ipc.engine_proc``), per token the probe streamed.
+
+``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
+say when they are busy and at what token rate, and each step's time is multiplied by the
+factor at the step's start.
+"""
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+ENGINE_MARKER = "kvserve.ipc.engine_proc"       # the engine process's command line (server/engine_client.py)
+
+
+@dataclass(frozen=True)
+class CpuReading:
+    """One instant's CPU counters: wall time, the machine's busy core-seconds, the engine processes'."""
+
+    wall_s: float
+    machine_busy_s: float
+    engines_s: float
+
+
+def machine_busy_s(stat_path: str = "/proc/stat") -> float:
+    """Core-seconds the machine has spent busy (not idle, not waiting for I/O) since boot."""
+    with open(stat_path) as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def engines_cpu_s(marker: str = ENGINE_MARKER) -> float:
+    """Core-seconds used so far by the running processes whose command line holds ``marker``."""
+    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if marker.encode() not in f.read():
+                    continue
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue                              # the process ended meanwhile
+        total += (int(fields[11]) + int(fields[12])) / tick
+    return total
+
+
+def read_cpu() -> CpuReading:
+    """The counters now."""
+    return CpuReading(time.perf_counter(), machine_busy_s(), engines_cpu_s())
+
+
+@dataclass(frozen=True)
+class PlaneFit:
+    """The serving plane's CPU: ``background_cores`` while idle, ``cpu_s_per_token`` streamed."""
+
+    background_cores: float
+    cpu_s_per_token: float
+
+    @classmethod
+    def measure(cls, idle_from: CpuReading, idle_to: CpuReading, probe_to: CpuReading,
+                tokens_streamed: int) -> "PlaneFit":
+        """From readings at the start and end of an idle spell and at the end of a probe that
+        followed it (starting at ``idle_to``) and streamed ``tokens_streamed`` tokens."""
+        idle_wall = idle_to.wall_s - idle_from.wall_s
+        background = max(0.0, (idle_to.machine_busy_s - idle_from.machine_busy_s) / idle_wall) if idle_wall > 0 else 0.0
+        probe_wall = probe_to.wall_s - idle_to.wall_s
+        plane = (probe_to.machine_busy_s - idle_to.machine_busy_s) - (probe_to.engines_s - idle_to.engines_s) \
+            - background * probe_wall
+        return cls(background, max(0.0, plane) / max(1, tokens_streamed))
+
+    def as_dict(self) -> dict:
+        return {"background_cores": round(self.background_cores, 4),
+                "cpu_ms_per_token": round(self.cpu_s_per_token * 1e3, 3)}
+
+
+class SharedHost:
+    """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
+    ``engine_threads``, and the serving plane's ``plane``."""
+
+    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit):
+        self.cores = cores
+        self.engine_threads = engine_threads
+        self.plane = plane
+        self._rates: dict[str, float] = {}       # busy replica -> its unslowed streamed tokens/s
+
+    def busy(self, replica: str, tokens_per_s: float) -> None:
+        """``replica`` steps, streaming ``tokens_per_s`` at its unslowed step time."""
+        self._rates[replica] = tokens_per_s
+
+    def idle(self, replica: str) -> None:
+        """``replica`` has nothing to step."""
+        self._rates.pop(replica, None)
+
+    @property
+    def busy_replicas(self) -> frozenset[str]:
+        """The replicas stepping now."""
+        return frozenset(self._rates)
+
+    def factor(self) -> float:
+        """How much slower than alone every busy engine steps now (at least 1)."""
+        demand = len(self._rates) * self.engine_threads + self.plane.background_cores
+        plane = self.plane.cpu_s_per_token * sum(self._rates.values())
+        s = (demand + math.sqrt(demand * demand + 4 * self.cores * plane)) / (2 * self.cores)
+        return max(1.0, s)
