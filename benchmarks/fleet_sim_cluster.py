@@ -8,10 +8,13 @@
    (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas.
    Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time, then a full batch)
    measures the host as the cluster's engines see it: how much slower they step than the profile
-   and the latency the serving path adds to a first token.
-4. The simulator plays the same requests through one deployment with the cluster's limits and
-   autoscaling settings, the profile's step times slowed by the probe's factor, the probe's path
-   latency, and the replica start the cluster took (``profile_alone``: on the bare profile).
+   and the latency the serving path adds to a first token; and, from /proc, the serving plane's
+   CPU per streamed token and the background's cores (``fleetsim/host_cpu.py``).
+4. The simulator plays the same requests through one deployment with the cluster's limits,
+   ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
+   slowed by the probe's factor and per-sequence cost, the probe's path latency, the replica start the cluster took,
+   and the host's cores shared by the busy engines and the plane (``profile_alone``: on the bare
+   profile; ``cores_unshared``: the probe's fit without the shared cores).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
 
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 from collections import Counter
 import json
 import os
@@ -30,6 +34,7 @@ import pickle
 import subprocess
 import sys
 import tempfile
+import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +42,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 KV_CACHE_GIB = 0.25
+IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
+
+
+def host_cores() -> int:
+    """The cores this process (and the cluster it starts) may run on."""
+    return len(os.sched_getaffinity(0))
 
 
 def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: float) -> list[str]:
@@ -65,6 +76,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
+    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, read_cpu
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
     from kvserve.loader.api import default_model_path
@@ -76,29 +88,40 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     trace, probe = phased_trace(phases, 128.0, 24.0, seed), probe_trace(args.max_num_seqs)
     vocab = simulate.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
+        idle_from = read_cpu()
+        time.sleep(IDLE_S)
+        idle_to = read_cpu()
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1))
+        plane = PlaneFit.measure(idle_from, idle_to, read_cpu(), sum(probe.output))
         measured, served_by, changes = asyncio.run(replay_and_watch(cluster.url, trace, vocab))
     starts = start_durations(changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
-    fit = fit_host(probed, lambda factor: simulate(probe, factor)[0], one_at_a_time=len(probe) - args.max_num_seqs)
-    simulated, sim_steps = simulate(trace, fit.slowdown, start_s, fit.path_latency_s)
+    fit = fit_host(probed, lambda factor, extra: simulate(probe, factor, extra)[0],
+                   one_at_a_time=len(probe) - args.max_num_seqs)
+    on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s)
+    simulated, sim_steps = on_fit(SharedHost(host_cores(), args.threads, plane))
     end = sum(seconds for seconds, _ in phases)
     result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
-    on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, start_s), end)
+    on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, 0.0, start_s), end)
+    unshared = compare_cluster(measured, running_steps(changes), *on_fit(None), end)
     hw = simulate.hw
+    measured.served_by = served_by
     return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
             "replica_starts_measured_s": [round(s, 2) for s in starts],
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "host_fit": fit.as_dict(), "measured_requests_per_replica": dict(Counter(map(str, served_by))),
-            **result, "profile_alone": {"simulated": on_profile["simulated"], "ratio": on_profile["ratio"]}}, \
+            "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
+            "measured_requests_per_replica": dict(Counter(map(str, served_by))),
+            **result, "profile_alone": {"simulated": on_profile["simulated"], "ratio": on_profile["ratio"]},
+            "cores_unshared": {"simulated": unshared["simulated"], "ratio": unshared["ratio"]}}, \
         measured, simulated
 
 
 class _Simulator:
-    """``sim(log, slowdown, start_s=0, path_latency_s=0)``: ``log`` through the simulated
-    deployment (the cluster's settings) on the hardware entry slowed by ``slowdown``
-    (``host_fit.slowed``): (the filled log, the serving replica count's steps)."""
+    """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None)``: ``log``
+    through the simulated deployment (the cluster's settings) on the hardware entry slowed by
+    ``slowdown`` and ``seq_extra_s`` (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``):
+    (the filled log, the serving replica count's steps)."""
 
     def __init__(self, hw_path: str, args, settings):
         from kvserve.loader.api import default_model_path
@@ -107,19 +130,22 @@ class _Simulator:
         self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
         self.args, self.settings = args, settings
 
-    def cost(self, slowdown: float):
+    def cost(self, slowdown: float, seq_extra_s: float = 0.0):
         from kvserve.fleetsim.host_fit import slowed
         from kvserve.planner.dtypes import kv_dtype, weight_dtype
         from kvserve.planner.roofline import cost_model
         wdtype = dict(self.hw.calibration).get("weight_dtype", "bf16")
-        return cost_model(self.model, slowed(self.hw, slowdown), weight_dtype(wdtype), kv_dtype(wdtype), 1)
+        return cost_model(self.model, slowed(self.hw, slowdown, seq_extra_s), weight_dtype(wdtype), kv_dtype(wdtype), 1)
 
-    def __call__(self, log, slowdown: float, start_s: float = 0.0, path_latency_s: float = 0.0):
+    def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
+                 path_latency_s: float = 0.0, host=None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
-        cm = self.cost(slowdown)
+        cm = self.cost(slowdown, seq_extra_s)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
+        from kvserve.cluster.admission import fleet_slots
+        slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
-                                   self.settings, start_s, path_latency_s)
+                                   self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:
@@ -138,7 +164,8 @@ def main() -> None:
     result, measured, simulated = check(args.hardware or profile(), args.phases, seed=args.seed)
     if args.dump:
         with open(args.dump, "wb") as f:
-            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result}, f)
+            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result,
+                         "served_by": measured.served_by}, f)
     print(json.dumps(result, indent=1))
 
 

@@ -3,12 +3,15 @@
 One model on ``kvserve cluster serve --autoscale tokens``: a trace whose rate steps up and back
 down (``phased_trace``) makes the autoscaler add a replica and later remove it. The same
 requests go through ``simulate_autoscaled``: one simulated deployment with the cluster's limits
-(``max_num_seqs``, ``max_num_batched_tokens``, KV pool), step times from the hardware entry
+(``max_num_seqs``, ``max_num_batched_tokens``, KV pool; the engine's scheduler, ``SchedulerReplica``),
+step times from the hardware entry
 ``kvserve profile`` measured on this machine (slowed by the factor ``host_fit`` measured through
 the running cluster, with its serving-path latency), the cluster's autoscaling settings
 (``AutoscaleSettings``: the same capacity, headroom, demand window and down-scaling window; the
-decisions' rhythm and delay from Ray Serve's metrics pipeline, ``ray_decision_timing``) and the
-replica start the cluster was measured to take.
+decisions' rhythm and delay from Ray Serve's metrics pipeline, ``ray_decision_timing``), the
+ingress's queue (``cluster/admission.py``: at most ``fleet_slots`` requests on the replicas, the
+rest wait at the ingress and take the slots as requests finish) and the replica start the
+cluster was measured to take.
 
 Compared (``compare_cluster``): TTFT p50 and p99 and TPOT p50 of the requests, and the serving replica count
 over time: replica-seconds over the trace and the mean absolute difference of the two step
@@ -16,6 +19,7 @@ functions (sampled every second) over the mean count, each as simulated / measur
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -23,8 +27,10 @@ import numpy as np
 from kvserve.autoscale.capacity import ReplicaCapacity
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.fleetsim.fleet import FleetSim
+from kvserve.fleetsim.host_cpu import SharedHost
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
+from kvserve.fleetsim.sched_replica import SchedulerReplica
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
 from kvserve.fleetsim.validate import trace_log
 
@@ -58,14 +64,19 @@ def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
 
 
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
-                        settings, start_s: float, path_latency_s: float = 0.0
+                        settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
+                        queue_wait_s: float = float("inf"), host: SharedHost | None = None
                         ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
     the serving replica count's step function). A hot model's first replica serves at time 0, as
     the cluster's does (it is up before the trace starts); decisions follow ``ray_decision_timing``.
     A request reaches the replica ``path_latency_s`` after it is sent (``host_fit``: the serving
-    path's hops); its TTFT counts from the send."""
+    path's hops); its TTFT counts from the send. ``slots`` and ``queue_wait_s``: the ingress's
+    queue (``cluster/admission.fleet_slots``): beyond ``slots`` requests on the replicas, the
+    rest wait at the deployment, at most ``queue_wait_s``. The replicas run the engine's scheduler
+    (``SchedulerReplica``) on ``host`` (``host_cpu.SharedHost``: the cores they and the serving
+    plane share; None: each its own)."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
@@ -79,8 +90,9 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
                         autoscale_interval_s=interval, decision_delay_s=delay,
                         downscale_window_s=settings.downscale_window_s,
                         headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
-                        max_queue_wait_s=float("inf"), policies=("tiers_tokens",))
-    sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0])
+                        max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",))
+    sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
+                   functools.partial(SchedulerReplica, host=host))
     serving = sim.run()["serving"]
     log.arrival = list(trace.arrival)
     return log, [(t, counts[0]) for t, counts in serving]

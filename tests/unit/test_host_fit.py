@@ -19,8 +19,8 @@ SETTINGS = AutoscaleSettings("tokens", "hot", 1, 2, prefill_tokens_per_s=1e6, de
                              demand_window_s=5.0, downscale_window_s=20.0)
 
 
-def _simulate(log, slowdown: float, path_latency_s: float = 0.0):
-    cm = cost_model(preset("llama-3-8b"), slowed(HW, slowdown), weight_dtype("bf16"), kv_dtype("bf16"), 1)
+def _simulate(log, slowdown: float, path_latency_s: float = 0.0, seq_extra_s: float = 0.0):
+    cm = cost_model(preset("llama-3-8b"), slowed(HW, slowdown, seq_extra_s), weight_dtype("bf16"), kv_dtype("bf16"), 1)
     return simulate_autoscaled(log, cm, 4, 1024, 100_000, SETTINGS, 0.0, path_latency_s)[0]
 
 
@@ -29,6 +29,7 @@ def test_slowed_divides_every_rate_and_multiplies_every_overhead():
     assert hw.mem_bandwidth == HW.mem_bandwidth / 2 and hw.flops["bf16"] == HW.flops["bf16"] / 2
     assert hw.step_overhead_s == HW.step_overhead_s * 2 and hw.seq_overhead_s == HW.seq_overhead_s * 2
     assert slowed(HW, 1.0).mem_bandwidth == HW.mem_bandwidth
+    assert slowed(HW, 2.0, 0.003).seq_overhead_s == pytest.approx(HW.seq_overhead_s * 2 + 0.003)
 
 
 def test_the_path_latency_reaches_ttft_and_nothing_else():
@@ -39,14 +40,17 @@ def test_the_path_latency_reaches_ttft_and_nothing_else():
     assert late["arrival_s"].tolist() == probe.arrival       # TTFT counts from the send
 
 
-@pytest.mark.parametrize("slowdown,path", [(1.0, 0.0), (1.6, 0.12), (3.0, 0.4)])
-def test_the_fit_recovers_a_known_host(slowdown, path):
+@pytest.mark.parametrize("slowdown,path,extra", [(1.0, 0.0, 0.0), (1.6, 0.12, 0.0), (3.0, 0.4, 0.0),
+                                                 (1.1, 0.05, 0.002), (1.0, 0.0, 0.004)])
+def test_the_fit_recovers_a_known_host(slowdown, path, extra):
     probe = probe_trace(4)
-    measured = _simulate(probe, slowdown, path)
-    fit = fit_host(measured, lambda factor: _simulate(probe, factor), one_at_a_time=len(probe) - 4)
-    assert fit.slowdown == pytest.approx(slowdown, rel=1e-6)
-    assert fit.path_latency_s == pytest.approx(path, abs=1e-9)
-    assert fit.measured_ttft_s == pytest.approx(fit.slowed_ttft_s + path, abs=1e-9)
+    measured = _simulate(probe, slowdown, path, extra)
+    fit = fit_host(measured, lambda factor, seq_extra: _simulate(probe, factor, 0.0, seq_extra),
+                   one_at_a_time=len(probe) - 4)
+    assert fit.slowdown == pytest.approx(slowdown, rel=1e-3)
+    assert fit.seq_extra_s == pytest.approx(extra, abs=2e-5)
+    assert fit.path_latency_s == pytest.approx(path, abs=1e-3)
+    assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
 
 
 def test_a_probe_not_fully_served_is_refused():
@@ -54,4 +58,4 @@ def test_a_probe_not_fully_served_is_refused():
     measured = _simulate(probe, 1.0)
     measured.first_token_s[0] = float("nan")
     with pytest.raises(RuntimeError, match="not fully served"):
-        fit_host(measured, lambda factor: _simulate(probe, factor), one_at_a_time=4)
+        fit_host(measured, lambda factor, extra: _simulate(probe, factor, 0.0, extra), one_at_a_time=4)
