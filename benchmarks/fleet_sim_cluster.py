@@ -105,7 +105,6 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, 0.0, start_s), end)
     unshared = compare_cluster(measured, running_steps(changes), *on_fit(None), end)
     hw = simulate.hw
-    measured.served_by = served_by
     return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
             "replica_starts_measured_s": [round(s, 2) for s in starts],
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
@@ -164,8 +163,7 @@ def main() -> None:
     result, measured, simulated = check(args.hardware or profile(), args.phases, seed=args.seed)
     if args.dump:
         with open(args.dump, "wb") as f:
-            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result,
-                         "served_by": measured.served_by}, f)
+            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result}, f)
     print(json.dumps(result, indent=1))
 
 
