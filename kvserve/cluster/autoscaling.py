@@ -24,7 +24,8 @@ The path of a token (docs/autoscaling.md, "Ray Serve wiring"):
 4. ``TokenPolicy.decide`` (or ``RequestCountPolicy.decide`` on Ray's own request count,
    ``ctx.total_num_requests``) with the ``ScaleState`` kept in the policy state gives the
    count; Ray's own up/down delays are 0 (``app.autoscaling_config``) so the stabilisation is
-   applied once, here.
+   applied once, here; with ``retier_window_s`` the bounds are those of the tier the model has
+   now (``live_tier.step_tier``: promoted to hot by its measured load, back to its planned tier).
 """
 from __future__ import annotations
 
@@ -36,6 +37,8 @@ from typing import Any, Mapping
 from kvserve.autoscale import (AutoscaleInputError, FleetScrape, ReplicaBounds, ReplicaCapacity, ReplicaCounters,
                                RequestCountPolicy, ResidencyTier, ScaleState, StabilizerConfig, TokenDemand,
                                TokenPolicy, token_demand)
+from kvserve.autoscale.residency import RetierConfig
+from kvserve.cluster.live_tier import replica_load, step_tier
 
 MODES = ("tokens", "requests")
 STATE_KEY = "kvserve"          # our part of Ray's policy_state (Ray keeps its delay counters beside it)
@@ -68,6 +71,9 @@ class AutoscaleSettings:
     demand_window_s: float = 10.0
     downscale_window_s: float = 300.0
     target_ongoing_requests: float = 2.0
+    retier_window_s: float = 0.0       # > 0: re-tier from measured load over windows this long (live_tier.py)
+    promote_load: float = 0.5          # replica-equivalents that promote a warm / cold model to hot
+    demote_load: float = 0.25          # ... and below which it returns to its planned tier
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -76,19 +82,30 @@ class AutoscaleSettings:
             raise AutoscaleInputError("the demand window must be positive", param="demand_window_s")
         if not (self.headroom_factor >= 1 and math.isfinite(self.headroom_factor)):
             raise AutoscaleInputError(f"headroom_factor {self.headroom_factor} must be >= 1", param="headroom_factor")
+        if self.retier_window_s < 0 or (self.retier_window_s > 0 and self.mode != "tokens"):
+            raise AutoscaleInputError("re-tiering reads the token demand: --autoscale tokens and a window >= 0",
+                                      param="retier_window_s")
+        self.retier_config()    # 0 <= demote <= promote
         self.bounds()           # the tier and the bounds agree (hot keeps >= 1)
         self.capacity()         # positive, finite
         self.token_policy()     # headroom >= 1, windows >= 0
         self.request_policy()
 
-    def bounds(self) -> ReplicaBounds:
-        """``[min_replicas, max_replicas]``; a hot model keeps at least one replica."""
-        tier = ResidencyTier(self.tier)
-        if tier is ResidencyTier.HOT and self.min_replicas < 1:
+    def bounds(self, tier_now: str | None = None) -> ReplicaBounds:
+        """``[min_replicas, max_replicas]`` in the planned tier, or in ``tier_now`` (re-tiering:
+        a model promoted to hot keeps at least one replica); a hot model keeps at least one."""
+        planned = ResidencyTier(self.tier)
+        if planned is ResidencyTier.HOT and self.min_replicas < 1:
             raise AutoscaleInputError("a hot model keeps >= 1 replica: use --tier warm or cold to scale to zero",
                                       param="min_replicas")
-        return ReplicaBounds(self.min_replicas, self.max_replicas, tier,
-                             host_weights_resident=tier is ResidencyTier.WARM)
+        tier = ResidencyTier(tier_now or self.tier)
+        minimum = max(1, self.min_replicas) if tier is ResidencyTier.HOT else self.min_replicas
+        return ReplicaBounds(minimum, self.max_replicas, tier,
+                             host_weights_resident=ResidencyTier.WARM in (tier, planned))
+
+    def retier_config(self) -> RetierConfig:
+        """Re-tiering's thresholds (its host cache: ``live_tier``'s docstring)."""
+        return RetierConfig(self.promote_load, self.demote_load)
 
     def capacity(self) -> ReplicaCapacity:
         """One replica's prefill and decode tokens/s at the SLO."""
@@ -210,6 +227,12 @@ def autoscale_step(settings: AutoscaleSettings, policy_state: Mapping,
         scrape = scrape_from_raw(inputs.raw_metrics, now, queued)
         saved["window"], saved["demand"] = roll_demand_window(saved, scrape, settings.demand_window_s)
         demand = TokenDemand(saved["demand"][0], saved["demand"][1], queued)
-        decision, nxt, desired = settings.token_policy().decide(scale, now, demand, settings.bounds())
+        tier_now = None
+        if settings.retier_window_s > 0:
+            load = replica_load(*saved["demand"], settings.prefill_tokens_per_s, settings.decode_tokens_per_s)
+            saved["retier"] = step_tier(saved.get("retier"), settings.tier, load, now, settings.retier_window_s,
+                                        settings.retier_config())
+            tier_now = saved["retier"]["tier"]
+        decision, nxt, desired = settings.token_policy().decide(scale, now, demand, settings.bounds(tier_now))
     saved["scale"] = dataclasses.asdict(nxt)
     return decision.replicas, {**policy_state, STATE_KEY: saved}, f"{desired.arithmetic}; {decision.reason}"

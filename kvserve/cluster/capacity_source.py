@@ -86,4 +86,7 @@ def settings_from_args(args: argparse.Namespace, model: str):
                              decode_tokens_per_s=capacity.decode_tokens_per_s, capacity_source=capacity.arithmetic,
                              headroom_factor=args.headroom_factor, demand_window_s=args.demand_window_s,
                              downscale_window_s=args.downscale_window_s,
-                             target_ongoing_requests=args.target_ongoing_requests)
+                             target_ongoing_requests=args.target_ongoing_requests,
+                             retier_window_s=getattr(args, "retier_window_s", 0.0),
+                             promote_load=getattr(args, "promote_load", 0.5),
+                             demote_load=getattr(args, "demote_load", 0.25))

@@ -84,6 +84,11 @@ def _register_autoscale(p) -> None:
     a.add_argument("--downscale-window-s", type=float, default=300.0,
                    help="seconds below target before one step down (default 300)")
     a.add_argument("--target-ongoing-requests", type=float, default=2.0, help="requests: per replica (default 2)")
+    a.add_argument("--retier-window-s", type=float, default=0.0,
+                   help="tokens: re-tier a warm or cold model from its measured load over windows this long: "
+                        "hot (>= 1 replica) from --promote-load, back below --demote-load (default 0: off)")
+    a.add_argument("--promote-load", type=float, default=0.5, help="replica-equivalents (default 0.5)")
+    a.add_argument("--demote-load", type=float, default=0.25, help="replica-equivalents (default 0.25)")
     a.add_argument("--replica-capacity", type=parse_capacity, default=None, metavar="PREFILL:DECODE",
                    help="tokens: one replica's tokens/s at the SLO (default: the planner on --capacity-gpu)")
     a.add_argument("--capacity-gpu", default="local",

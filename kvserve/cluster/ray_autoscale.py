@@ -42,11 +42,12 @@ class KVServeAutoscalingPolicy:
                             total_requests=float(ctx.total_num_requests or 0.0))
         replicas, state, reason = autoscale_step(self.settings, ctx.policy_state, inputs)
         demand = tuple(round(x, 1) for x in state["kvserve"].get("demand", ()))
-        if (replicas, demand) != self._last_logged:
-            self._last_logged = (replicas, demand)
-            logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s): %d replicas: %s",
-                                        ctx.deployment_name, self.settings.mode, self.settings.tier, replicas,
-                                        reason)
+        tier = (state["kvserve"].get("retier") or {}).get("tier", self.settings.tier)
+        if (replicas, demand, tier) != self._last_logged:
+            self._last_logged = (replicas, demand, tier)
+            logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s, planned %s): %d replicas: %s",
+                                        ctx.deployment_name, self.settings.mode, tier, self.settings.tier,
+                                        replicas, reason)
         return replicas, state
 
 

@@ -184,3 +184,28 @@ def test_autoscaling_config_bounds_and_delays():
     assert (config.min_replicas, config.initial_replicas, config.max_replicas) == (0, 0, 4)
     assert config.upscale_delay_s == config.downscale_delay_s == config.downscale_to_zero_delay_s == 0
     assert config.policy.policy_kwargs == COLD.to_kwargs()
+
+
+def _busy_then_idle(settings):
+    """Scale from zero, 120 s at ~1.25 replicas (prefill 400 / 800 + decode 60 / 80), 360 s idle,
+    a tick every 10 s: {time: (replicas, re-tiering state)}."""
+    n, state, _ = _tick({}, 0.0, 0, queued=1, settings=settings)
+    assert n == 1
+    prompt, generated, seen = 0.0, 0.0, {}
+    for step in range(1, 49):
+        t, busy = 10.0 * step, step <= 12
+        prompt, generated = prompt + (4_000 if busy else 0), generated + (600 if busy else 0)
+        n, state, _ = _tick(state, t, n, _raw({"a": [(t, _stats(prompt, generated))]}), settings=settings)
+        seen[t] = (n, state[STATE_KEY].get("retier"))
+    return seen
+
+
+def test_a_cold_model_promoted_by_its_load_keeps_a_replica_until_the_load_falls_below_demote():
+    from dataclasses import replace
+    plain = _busy_then_idle(COLD)
+    assert plain[250.0][0] == 0                                      # 2 -> 1 -> 0, a 60 s window each
+    retiered = _busy_then_idle(replace(COLD, retier_window_s=120.0))
+    assert retiered[120.0][1]["tier"] == "hot" and retiered[120.0][1]["mean_load"] == pytest.approx(1.25)
+    assert all(retiered[t][0] >= 1 for t in range(130, 300, 10))    # hot: its floor is one replica
+    assert retiered[240.0][1]["tier"] == "cold"                      # a window below demote: planned tier
+    assert retiered[300.0][0] == 0                                   # then to zero after the down window
