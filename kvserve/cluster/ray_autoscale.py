@@ -45,9 +45,9 @@ class KVServeAutoscalingPolicy:
         tier = (state["kvserve"].get("retier") or {}).get("tier", self.settings.tier)
         if (replicas, demand, tier) != self._last_logged:
             self._last_logged = (replicas, demand, tier)
-            logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s, planned %s): %d replicas: %s",
-                                        ctx.deployment_name, self.settings.mode, tier, self.settings.tier,
-                                        replicas, reason)
+            shown = tier if tier == self.settings.tier else f"{tier}, planned {self.settings.tier}"
+            logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s): %d replicas: %s",
+                                        ctx.deployment_name, self.settings.mode, shown, replicas, reason)
         return replicas, state
 
 

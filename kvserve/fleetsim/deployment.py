@@ -10,8 +10,8 @@ zero); a queued request older than ``max_queue_wait_s`` is answered 503 + Retry-
 (rejected). With ``slots`` (the cluster ingress's fleet slots, ``cluster/admission.py``) at
 most that many requests are on the replicas at once: the others wait in the same queue, first
 come first served (one model has one class), and each request that finishes hands its slot to
-the head of the queue, routed then to whichever replica the policy picks. A replica costs from the moment it is asked for (its GPUs are held while it
-starts) until it has drained.
+the head of the queue, routed then to whichever replica the policy picks. A replica costs from
+the moment it is asked for (its GPUs are held while it starts) until it has drained.
 """
 from __future__ import annotations
 
