@@ -12,9 +12,10 @@
    CPU per streamed token and the background's cores (``fleetsim/host_cpu.py``).
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
-   slowed by the probe's factor and per-sequence cost, the probe's path latency, the replica start the cluster took,
-   and the host's cores shared by the busy engines and the plane (``profile_alone``: on the bare
-   profile; ``cores_unshared``: the probe's fit without the shared cores).
+   slowed by the probe's factor and per-sequence cost, the probe's path latency, the replica
+   start the cluster took, and the host's cores shared by the busy engines and the plane
+   (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit without the
+   shared cores).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
 
