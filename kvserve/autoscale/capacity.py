@@ -47,6 +47,10 @@ class ReplicaCapacity:
                 raise AutoscaleInputError(f"replica capacity {name} must be a positive number, got {value}",
                                           param=name)
 
+    def load(self, prefill_tokens_per_s: float, decode_tokens_per_s: float) -> float:
+        """Replica-equivalents of a demand: each phase's tokens/s over this capacity, summed."""
+        return prefill_tokens_per_s / self.prefill_tokens_per_s + decode_tokens_per_s / self.decode_tokens_per_s
+
 
 def prefill_utilisation_at_ttft(step_s: float, prefill_p99_s: float, ttft_p99_s: float | None) -> float:
     """``min(0.95, 1 - t_prefill(P99) / (TTFT_SLO - t_step))``; 1.0 without a TTFT SLO.

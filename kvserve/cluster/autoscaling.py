@@ -38,7 +38,7 @@ from kvserve.autoscale import (AutoscaleInputError, FleetScrape, ReplicaBounds, 
                                RequestCountPolicy, ResidencyTier, ScaleState, StabilizerConfig, TokenDemand,
                                TokenPolicy, token_demand)
 from kvserve.autoscale.residency import RetierConfig
-from kvserve.cluster.live_tier import replica_load, step_tier
+from kvserve.cluster.live_tier import step_tier
 
 MODES = ("tokens", "requests")
 STATE_KEY = "kvserve"          # our part of Ray's policy_state (Ray keeps its delay counters beside it)
@@ -229,7 +229,7 @@ def autoscale_step(settings: AutoscaleSettings, policy_state: Mapping,
         demand = TokenDemand(saved["demand"][0], saved["demand"][1], queued)
         tier_now = None
         if settings.retier_window_s > 0:
-            load = replica_load(*saved["demand"], settings.prefill_tokens_per_s, settings.decode_tokens_per_s)
+            load = settings.capacity().load(*saved["demand"])
             saved["retier"] = step_tier(saved.get("retier"), settings.tier, load, now, settings.retier_window_s,
                                         settings.retier_config())
             tier_now = saved["retier"]["tier"]

@@ -26,12 +26,6 @@ from kvserve.autoscale.tiers import ResidencyTier
 MODEL = "deployment"            # the one model retier() sees
 
 
-def replica_load(prefill_tokens_per_s: float, decode_tokens_per_s: float, prefill_capacity: float,
-                 decode_capacity: float) -> float:
-    """Replica-equivalents of a demand: each phase's tokens/s over one replica's capacity, summed."""
-    return prefill_tokens_per_s / prefill_capacity + decode_tokens_per_s / decode_capacity
-
-
 def step_tier(saved: Mapping | None, planned: str, load: float, now_s: float, window_s: float,
               config: RetierConfig) -> dict:
     """The next re-tiering state from ``saved`` (None: the first tick) after ``load`` held since

@@ -9,7 +9,8 @@ import pytest
 from kvserve.autoscale import AutoscaleInputError
 from kvserve.autoscale.residency import RetierConfig
 from kvserve.cluster.autoscaling import AutoscaleSettings
-from kvserve.cluster.live_tier import replica_load, step_tier
+from kvserve.autoscale import ReplicaCapacity
+from kvserve.cluster.live_tier import step_tier
 
 CONFIG = RetierConfig(0.5, 0.25)
 
@@ -47,7 +48,7 @@ def test_a_window_is_the_time_average_of_its_load_and_closes_on_the_first_tick_a
 
 
 def test_replica_load_sums_each_phase_over_its_capacity():
-    assert replica_load(400.0, 40.0, 800.0, 80.0) == pytest.approx(1.0)
+    assert ReplicaCapacity(800.0, 80.0).load(400.0, 40.0) == pytest.approx(1.0)
 
 
 def test_settings_bound_a_promoted_model_to_one_replica_and_refuse_retiering_by_request_count():
