@@ -59,7 +59,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(items, hidden)
         if not to_sample:
             return StepResult(prompt_logprobs=prompt_lps, forward_time_s=time.perf_counter() - started)
-        logits = self.logits(hidden[sample_rows])                                 # [rows, vocab]
+        logits = self.project(hidden, sample_rows)                                # [rows, vocab]
         rows, groups = self._sampling_rows(to_sample, masks)
         if groups:
             samples, accepted, final = self.verifier(logits, rows, groups)
@@ -101,12 +101,18 @@ class ModelRunner:
         hidden, sample_rows = self._forward(self.batch_context.order(plan.scheduled))
         if sample_rows.numel() == 0:
             return None
-        return self.logits(hidden[sample_rows])
+        return self.project(hidden, sample_rows)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits ``[rows, vocab]`` of final hidden states ``[rows, hidden]`` (the one
         place the runner projects onto the vocabulary)."""
         return self.model.compute_logits(hidden)
+
+    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        """fp32 logits of rows ``rows`` (an index tensor or a slice) of the last forward's
+        ``hidden``: a tensor-parallel runner names the rows and its ranks project their own
+        copies of the hidden states (the same bits on every rank) instead of receiving them."""
+        return self.logits(hidden[rows])
 
     @torch.inference_mode()
     def warm_up(self, prompt_tokens: int = 16) -> float:
@@ -121,7 +127,7 @@ class ModelRunner:
         decode = ForwardWork([1], prompt_tokens, blocks, True)
         for work in (prefill, decode):
             hidden, rows = self._forward([work])
-            self.logits(hidden[rows])
+            self.project(hidden, rows)
         return time.perf_counter() - started
 
     def parallel_counters(self) -> ParallelCounters:
@@ -163,7 +169,7 @@ class ModelRunner:
                 entries: list[SampledToken] = []
                 for lo in range(0, count, rows_per_pass):       # bounded [rows, vocab] memory
                     hi = min(count, lo + rows_per_pass)
-                    chosen, tops = token_logprobs(self.logits(hidden[row + lo:row + hi]),
+                    chosen, tops = token_logprobs(self.project(hidden, slice(row + lo, row + hi)),
                                                   torch.tensor(targets[lo:hi], device=self.device),
                                                   s.params.prompt_logprobs)
                     entries.extend(SampledToken(t, v, top) for t, v, top in zip(targets[lo:hi], chosen, tops))

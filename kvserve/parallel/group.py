@@ -3,8 +3,10 @@
 Each ``RankGroup`` builds its own process-group object over its own rendezvous store (a
 file: no listening socket), so an engine process may hold several in turn and nothing
 process-global is set (no ``init_process_group``). Gloo's sockets are bound to 127.0.0.1.
-CPU ranks all-reduce and all-gather small tensors through shared memory (``shm.py``). Collectives record their wall time in ``comm_seconds`` so a
-benchmark can state the all-reduce share of a step.
+CPU ranks all-reduce and all-gather small tensors through shared memory (``shm.py``).
+Collectives record their wall time in ``comm_seconds`` so a benchmark can state the
+all-reduce share of a step, and the shared-memory ones the ranks' arrivals (``skew``: how
+much of that time was waiting for the last rank, ``skew.py``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kvserve.parallel.shm import ShmCollectives
+from kvserve.parallel.skew import ArrivalSkew
 
 LOOPBACK = "127.0.0.1"
 
@@ -64,6 +67,8 @@ class RankGroup:
                          _process_group(dist.PrefixStore("control/", store), rank, world_size, "cpu", timeout_s))
         self.comm_seconds = 0.0           # wall time inside collectives, since creation
         self.comm_calls = 0
+        self.skew = ArrivalSkew()         # shared-memory calls: waits for the last rank (skew.py)
+        self._after_command = False
         self._shm = self._map_shared_memory(shm_slot_bytes) if device_type == "cpu" and shm_slot_bytes else None
 
     def _map_shared_memory(self, slot_bytes: int) -> ShmCollectives | None:
@@ -95,10 +100,13 @@ class RankGroup:
         self.comm_calls += 1
 
     def _timed_call(self, collective, *args):
+        """A shared-memory collective: timed, and its ranks' arrivals added to ``skew``."""
         started = time.perf_counter()
         result = collective(*args)
         self.comm_seconds += time.perf_counter() - started
         self.comm_calls += 1
+        self.skew.record(self._shm.arrivals(), self.rank, self._after_command)
+        self._after_command = False
         return result
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -135,7 +143,14 @@ class RankGroup:
         return out
 
     def broadcast_object(self, obj=None):
-        """Rank 0's ``obj`` on every rank (pickled; a length, then the bytes)."""
+        """Rank 0's ``obj`` on every rank (pickled): through shared memory where the ranks have
+        it and the bytes fit a slot, else over gloo (a length, then the bytes)."""
+        self._after_command = True
+        if self._shm is not None:
+            data = self._shm.broadcast_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+                                             if self.rank == 0 else None)
+            if data is not None:
+                return obj if self.rank == 0 else pickle.loads(data)
         if self.rank == 0:
             data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
                                     dtype=torch.uint8)

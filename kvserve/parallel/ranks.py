@@ -5,7 +5,9 @@ Rank 0 owns the scheduler; every step it broadcasts what the runner needs to bui
 same tensors (``ForwardWork``: token ids, positions, block tables — not the requests'
 sampling state), then every rank runs the same forward. Commands::
 
-    ("forward", [ForwardWork]) build inputs, run the forward (hidden states stay on rank 0's side)
+    ("forward", [ForwardWork]) build inputs, run the forward (the worker keeps its hidden states)
+    ("project", rows)          project rows (indices or a slice) of the last forward's hidden states
+                               on this rank's vocabulary rows (every rank holds the same hidden bits)
     ("logits", hidden rows)    project rank-0's hidden rows on each rank's vocabulary rows
     ("copy", [(src, dst)])     copy KV blocks (copy-on-write at a fork)
     ("stop", None)             leave the loop
@@ -116,19 +118,22 @@ def serve_commands(group, runner, handlers: dict | None = None) -> None:
     from kvserve.engine.model_runner import ModelRunner
     from kvserve.speculative.draft import truncated_model
     draft_runners: dict[int, ModelRunner] = {}
+    hidden = None                       # the last forward's (or draft forward's) hidden states
     while True:
         command, arg = group.broadcast_object()
         if command == "stop":
             return
         with torch.inference_mode():
             if command == "forward":
-                runner._forward(arg)
+                hidden = runner._forward(arg)[0]
             elif command == "draft_forward":
                 layers, works = arg
                 if layers not in draft_runners:
                     draft_runners[layers] = ModelRunner(truncated_model(runner.model, layers), runner.kv_cache[:layers],
                                                         runner.backend, runner.block_size, runner.device)
-                draft_runners[layers]._forward(works)
+                hidden = draft_runners[layers]._forward(works)[0]
+            elif command == "project":
+                runner.logits(hidden[arg if isinstance(arg, slice) else torch.tensor(arg, device=hidden.device)])
             elif command == "logits":
                 runner.logits(arg)
             elif command == "copy":

@@ -1,7 +1,8 @@
 """The runner of a tensor-parallel replica: rank 0's ``ModelRunner`` that drives the
 other ranks. It sends each forward's ``ForwardWork``, each vocabulary projection's hidden
-rows and each KV block copy to the workers before doing the same on its own shard, so
-the collectives inside the model pair up. Sampling, grammar masks and verification run
+rows to project (the workers project their own copies of the forward's hidden states) and
+each KV block copy to the workers before doing the same on its own shard, so the
+collectives inside the model pair up. Sampling, grammar masks and verification run
 on rank 0 alone, on the gathered logits; the scheduler never knows there are ranks.
 """
 from __future__ import annotations
@@ -34,6 +35,10 @@ class TensorParallelRunner(ModelRunner):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.broadcast_object(("logits", hidden))
         return super().logits(hidden)
+
+    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        announce_rows(self.group, rows)
+        return ModelRunner.logits(self, hidden[rows])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -86,3 +91,14 @@ class TensorParallelDraftRunner(ModelRunner):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self.group.broadcast_object(("logits", hidden))
         return super().logits(hidden)
+
+    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        announce_rows(self.group, rows)
+        return ModelRunner.logits(self, hidden[rows])
+
+
+def announce_rows(group, rows) -> None:
+    """Rank 0's side of ``project``: name the rows to project (``project``: a list of indices
+    or a slice, a few bytes where the rows themselves are ``rows x hidden`` floats); each
+    worker projects its own copy of them, and the logits' all-gather pairs with rank 0's."""
+    group.broadcast_object(("project", rows.tolist() if isinstance(rows, torch.Tensor) else rows))

@@ -19,6 +19,16 @@ holds the sender's rows per destination (``world_size`` int64s), then its rows, 
 major; each rank reads, from every slot, the rows addressed to it (their offset is the sum of
 the rows the sender addressed to lower ranks).
 
+Each rank also stamps its arrival (``time.perf_counter_ns``: CLOCK_MONOTONIC, one clock for
+every process of the host) in its counter's cache line, one stamp per slot parity, so after a
+call every rank reads when each rank arrived (``arrivals``): the time a rank spends waiting
+for the last one is the ranks' skew, not the wire.
+
+Rank 0's commands to the other ranks travel the same way (``broadcast_bytes``: the pickled
+command in rank 0's slot; ~0.1 ms where gloo's two broadcasts over loopback TCP take ~0.7
+ms), and a worker waiting for the next one naps between polls once it has waited a few
+milliseconds, so an idle replica's workers do not hold their cores.
+
 A rank that never arrives (its process died) makes the wait raise after ``timeout_s``.
 Larger tensors than a slot fall back to the process group's own collective.
 """
@@ -33,6 +43,8 @@ import torch
 
 COUNTER_BYTES = 64          # one cache line per rank's counter
 BUSY_SPINS = 32             # polls before each further poll yields the core
+PATIENT_SPIN_S = 0.005      # a patient wait (a worker idle between commands) yields this long ...
+PATIENT_NAP_S = 0.0002      # ... then naps this long between polls
 
 
 class ShmCollectives:
@@ -46,7 +58,11 @@ class ShmCollectives:
             with open(path, "wb") as f:
                 f.truncate(total)
         self._memory = torch.from_file(path, shared=True, size=total, dtype=torch.uint8)
-        self._counters = self._memory[:world_size * COUNTER_BYTES].view(torch.int64).view(world_size, -1)[:, 0]
+        lines = self._memory[:world_size * COUNTER_BYTES].view(torch.int64).view(world_size, -1)
+        self._counters = lines[:, 0]
+        self._stamps = lines[:, 1:3].numpy()          # arrival ns per (rank, call parity); numpy: cheap stores
+        self._pids = lines[:, 3].numpy()              # each rank's process, to tell a late rank from a dead one
+        self._pids[rank] = os.getpid()
         self._slots = self._memory[world_size * COUNTER_BYTES:].view(world_size, 2, slot_bytes)
         self._call = 0
 
@@ -80,20 +96,62 @@ class ShmCollectives:
         self._slot(self.rank, tensor).copy_(tensor)
         self._arrive_and_wait()
 
-    def _arrive_and_wait(self) -> None:
-        """Count this rank in for call ``self._call`` (its slot written), then wait for every rank."""
+    def _arrive_and_wait(self, patient: bool = False) -> None:
+        """Count this rank in for call ``self._call`` (its slot written, its arrival stamped),
+        then wait for every rank: spin, then yield the core, and past ``timeout_s`` raise —
+        or, ``patient`` (a worker waiting for rank 0's next command, for as long as the engine
+        idles), sleep in short naps once the wait is past ``PATIENT_SPIN_S`` and never raise."""
+        self._stamps[self.rank, self._call & 1] = time.perf_counter_ns()
         self._counters[self.rank] = self._call
-        deadline, spins = None, 0
+        deadline, spins, napping = None, 0, False
         while int(self._counters.min()) < self._call:
             spins += 1
             if spins < BUSY_SPINS:
                 continue
+            if napping:
+                time.sleep(PATIENT_NAP_S)
+                continue
             os.sched_yield()           # more ranks than free cores: let the late one run
             if spins % 1024 == 0:
+                self._raise_if_a_rank_died()
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
+                deadline = deadline or now + (PATIENT_SPIN_S if patient else self.timeout_s)
                 if now > deadline:
-                    raise RuntimeError(f"shared-memory collective: a rank did not arrive within {self.timeout_s} s")
+                    if not patient:
+                        raise RuntimeError(f"shared-memory collective: a rank did not arrive within {self.timeout_s} s")
+                    napping = True
+
+    def _raise_if_a_rank_died(self) -> None:
+        """Raise if a rank that has not arrived has no live process (gone, or a zombie not yet
+        reaped): its collective would never complete."""
+        for rank in range(self.world_size):
+            pid = int(self._pids[rank])
+            if rank != self.rank and pid > 0 and int(self._counters[rank]) < self._call and not _alive(pid):
+                raise RuntimeError(f"shared-memory collective: rank {rank} (pid {pid}) is gone; "
+                                   f"connection to the rank lost")
+
+    def broadcast_bytes(self, payload: bytes | None) -> bytes | None:
+        """Rank 0's ``payload`` on every rank (the others pass None), through rank 0's slot; None
+        on every rank when it does not fit a slot (the caller then sends it another way).
+        The other ranks wait patiently: this is how they wait for rank 0's next command."""
+        self._call += 1
+        slot = self._slots[0, self._call & 1]
+        if self.rank == 0:
+            size = len(payload) if 8 + len(payload) <= self.slot_bytes else -1
+            slot[:8].view(torch.int64)[0] = size
+            if size > 0:
+                slot[8:8 + size].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        self._arrive_and_wait(patient=self.rank != 0)
+        size = int(slot[:8].view(torch.int64)[0])
+        if size < 0:
+            return None
+        return payload if self.rank == 0 else slot[8:8 + size].numpy().tobytes()
+
+    def arrivals(self) -> list[float]:
+        """Each rank's arrival at the last call (``time.perf_counter`` seconds), in rank order.
+        Valid until this rank's next call: no rank stamps call ``g + 2``'s parity before every
+        rank has passed call ``g + 1``'s wait."""
+        return [float(ns) * 1e-9 for ns in self._stamps[:, self._call & 1]]
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks in place (rank order: the same bits everywhere)."""
@@ -126,3 +184,18 @@ class ShmCollectives:
         tensor = tensor.contiguous()
         self._publish_and_wait(tensor)
         return torch.cat([self._slot(rank, tensor) for rank in range(self.world_size)], dim=dim)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (Linux: its /proc state)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0] not in (b"Z", b"X")
+    except FileNotFoundError:
+        return False
+    except OSError:                     # no /proc: signal 0 tells whether it exists
+        try:
+            os.kill(pid, 0)
+            return True
+        except ProcessLookupError:
+            return False
