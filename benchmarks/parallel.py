@@ -8,9 +8,10 @@ every layout, measured in the same run:
   tokens, 64 output tokens, greedy, prefix cache off. TP=1 with 2 threads and with 1, TP=2
   with 1 thread per rank (2 cores). Prefill seconds from a ``max_tokens=1`` run of the same
   prompts; TPOT = (total - prefill) / 63 decode steps; the collectives' share is rank 0's
-  seconds inside all-reduce / all-gather over the run's seconds; and the planner's all-reduce
-  time for the decode steps on a link fitted to this host's measured all-reduces (the fit
-  ``kvserve profile --tensor-parallel 2`` stores) against the measured seconds.
+  seconds inside all-reduce / all-gather over the run's seconds, and how many of them rank 0
+  waited for the other rank (the ranks' stamped arrivals, ``parallel/skew.py``); and the
+  planner's collective time for the decode steps, wire and skew apart, on the link and skew
+  measured on this host (what ``kvserve profile --tensor-parallel 2`` stores) against those.
 - **EP**: a random-initialised Qwen2-MoE (16 experts, top-2, shared expert), EP=2 (experts
   8 + 8) vs one process, batches of 1..64 decoding sequences: the share of the run spent in
   the sparse layers' collectives (two all-to-alls and an all-gather), their per-forward p50
@@ -84,47 +85,92 @@ def comm(llm) -> float:
     return getattr(llm.engine.runner, "comm_seconds", 0.0)
 
 
+def skew(llm):
+    """Rank 0's ``ArrivalSkew`` so far (a copy), or None on one rank."""
+    group = getattr(llm.engine.runner, "group", None)
+    return group.skew.snapshot() if group is not None else None
+
+
 def tp_layout(folder: str, tp: int, threads: int, prompts, output_tokens: int) -> dict:
     from kvserve import LLM
     llm = LLM(folder, dtype="float32", kv_cache_bytes=256 * 2**20, tensor_parallel_size=tp, num_threads=threads,
               enable_prefix_cache=False, max_num_seqs=64, max_num_batched_tokens=1024)
     try:
         timed_generate(llm, prompts[:2], 4)                                 # warm-up
-        c0 = comm(llm)
+        c0, s0 = comm(llm), skew(llm)
         prefill_s = timed_generate(llm, prompts, 1)
-        c1 = comm(llm)
+        c1, s1 = comm(llm), skew(llm)
         total_s = timed_generate(llm, prompts, output_tokens)
-        c2 = comm(llm)
+        c2, s2 = comm(llm), skew(llm)
     finally:
         llm.engine.close()
     decode_s = total_s - prefill_s
-    return {"tp": tp, "threads_per_rank": threads, "prefill_s": round(prefill_s, 3), "total_s": round(total_s, 3),
-            "output_tokens_per_s": round(len(prompts) * output_tokens / total_s, 1),
-            "tpot_ms": round(decode_s / (output_tokens - 1) * 1e3, 2),
-            "collective_share_prefill": round((c1 - c0) / prefill_s, 3),
-            "collective_share_run": round((c2 - c1) / total_s, 3),
-            "collective_s_decode": round((c2 - c1) - (c1 - c0), 4)}
+    row = {"tp": tp, "threads_per_rank": threads, "prefill_s": round(prefill_s, 3), "total_s": round(total_s, 3),
+           "output_tokens_per_s": round(len(prompts) * output_tokens / total_s, 1),
+           "tpot_ms": round(decode_s / (output_tokens - 1) * 1e3, 2),
+           "collective_share_prefill": round((c1 - c0) / prefill_s, 3),
+           "collective_share_run": round((c2 - c1) / total_s, 3),
+           "collective_s_decode": round((c2 - c1) - (c1 - c0), 4)}
+    if s0 is not None:             # rank 0's waits for the last rank in the decode steps (run less prefill)
+        run, prefill = s2.since(s1), s1.since(s0)
+        row["collective_wait_s_decode"] = round(run.wait_s + run.wait_first_s - prefill.wait_s - prefill.wait_first_s, 4)
+        row["arrival_spread_s_decode"] = round(run.spread_s + run.spread_first_s - prefill.spread_s
+                                               - prefill.spread_first_s, 4)
+        row["decode_s"] = round(decode_s, 4)
+    return row
 
 
-def planner_collectives(folder: str, batch: int, decode_steps: int, measured_s: float) -> dict:
-    """The planner's all-reduce time for the TP=2 run's decode steps (``roofline.allreduce_s``:
-    two per layer of [batch, hidden]) on a link fitted to this host's measured all-reduces
-    (``kvserve profile --tensor-parallel 2``'s measurement), against the run's measured seconds
-    in collectives (which also hold the embedding's all-reduce and the logits' all-gather)."""
-    from kvserve.loader import load_checkpoint
-    from kvserve.parallel.collective_bench import fit_link, measure_allreduce
-    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+def host_collectives():
+    """This host's entry with its 2-rank all-reduce link and skew measured (what ``kvserve
+    profile --tensor-parallel 2`` stores), taken before any engine runs in this process."""
     from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.profile import calibrate_allreduce, calibrate_rank_skew
+    return calibrate_rank_skew(calibrate_allreduce(HardwareSpec(
+        name="this host, 2 ranks", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11},
+        gpus_per_node=2), 2), 2)
+
+
+def planner_collectives(folder: str, hw, batch: int, decode_steps: int, measured: dict) -> dict:
+    """The planner's collective time for the TP=2 run's decode steps on this host's measured
+    link and skew (``kvserve profile --tensor-parallel 2``'s measurements): the wire
+    (``roofline.allreduce_s``: two all-reduces per layer and the embedding's of [batch, hidden],
+    the gather of the batch's logits) against rank 0's
+    collective seconds less its waits for the other rank, and the skew (``rank_skew.rank_skew_s``
+    on the measured compute per step: the decode seconds less the collectives') against the
+    measured spread of the ranks' arrivals (last over mean: what the step loses, whichever
+    rank is late; rank 0's own waits beside it), and their sum against rank 0's collective
+    seconds."""
+    from kvserve.loader import load_checkpoint
+    from kvserve.planner.dtypes import kv_dtype, weight_dtype
     from kvserve.planner.profile import model_from_engine
-    from kvserve.planner.roofline import allreduce_s, cost_model
-    latency, link = fit_link(measure_allreduce(2), 2)
-    hw = HardwareSpec(name="this host, 2 ranks", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11},
-                      interconnect_bw=link, interconnect_latency_s=latency, gpus_per_node=2)
-    model = model_from_engine(load_checkpoint(folder).config)
-    predicted = decode_steps * allreduce_s(cost_model(model, hw, weight_dtype("fp32"), kv_dtype("fp32"), 2), batch)
-    return {"fitted_latency_us": round(latency * 1e6, 1), "fitted_link_GBps": round(link / 1e9, 2),
-            "predicted_decode_collective_s": round(predicted, 4), "measured_decode_collective_s": round(measured_s, 4),
-            "predicted_over_measured": round(predicted / measured_s, 3) if measured_s > 0 else None}
+    from kvserve.planner.rank_skew import rank_skew_s
+    from kvserve.planner.roofline import allreduce_s, collectives_per_step, cost_model
+    cm = cost_model(model_from_engine(load_checkpoint(folder).config), hw, weight_dtype("fp32"), kv_dtype("fp32"), 2)
+    total, waits, spread = (measured[k] for k in ("collective_s_decode", "collective_wait_s_decode",
+                                                   "arrival_spread_s_decode"))
+    compute_per_step = (measured["decode_s"] - total) / decode_steps
+    wire = decode_steps * allreduce_s(cm, batch, batch)
+    skewed = decode_steps * rank_skew_s(hw, 2, collectives_per_step(cm), compute_per_step)
+    return {"fitted_latency_us": round(hw.interconnect_latency_s * 1e6, 1),
+            "fitted_link_GBps": round(hw.interconnect_bw / 1e9, 2),
+            "fitted_skew": {"fixed_us": round(hw.rank_skew_fixed_s * 1e6, 2), "jitter_cv": round(hw.rank_jitter_cv, 4),
+                            "dispatch_us": round(hw.dispatch_s * 1e6, 1)},
+            "probe_us_per_segment": [{"compute": round(c * 1e6, 1), "spread": round(sp * 1e6, 1),
+                                      "all_reduce_less_wait": round(w * 1e6, 1)}
+                                     for c, sp, w in hw.calibration["rank_skew"]["segments"]],
+            "measured_decode_us_per_call_less_wait": round((total - waits) / (decode_steps * collectives_per_step(cm))
+                                                           * 1e6, 1),
+            "predicted_decode_wire_s": round(wire, 4), "measured_decode_wire_s": round(total - waits, 4),
+            "predicted_decode_skew_s": round(skewed, 4), "measured_decode_spread_s": round(spread, 4),
+            "measured_decode_rank0_wait_s": round(waits, 4), "measured_decode_collective_s": round(total, 4),
+            "wire_predicted_over_measured": _ratio(wire, total - waits),
+            "skew_predicted_over_measured": _ratio(skewed, spread),
+            "predicted_decode_collective_s": round(wire + skewed, 4),
+            "predicted_over_measured": _ratio(wire + skewed, total)}
+
+
+def _ratio(predicted: float, measured: float) -> float | None:
+    return round(predicted / measured, 3) if measured > 0 else None
 
 
 def bench_tp(quick: bool) -> dict:
@@ -134,10 +180,11 @@ def bench_tp(quick: bool) -> dict:
     rng = random.Random(0)
     count, output_tokens = (4, 16) if quick else (16, 64)
     prompts = [[rng.randrange(3, 49152) for _ in range(128)] for _ in range(count)]
+    hw = host_collectives()
     runs = [tp_layout(folder, 1, 2, prompts, output_tokens), tp_layout(folder, 1, 1, prompts, output_tokens),
             tp_layout(folder, 2, 1, prompts, output_tokens)]
     tp1, tp2 = runs[0], runs[2]
-    planner = planner_collectives(folder, count, output_tokens - 1, tp2["collective_s_decode"])
+    planner = planner_collectives(folder, hw, count, output_tokens - 1, tp2)
     return {"model": "random Llama, SmolLM2-135M shape with 8 heads / 4 KV heads (fp32)",
             "requests": count, "prompt_tokens": 128, "output_tokens": output_tokens, "runs": runs,
             "tp2_vs_tp1_2threads": {"throughput": round(tp2["output_tokens_per_s"] / tp1["output_tokens_per_s"], 3),

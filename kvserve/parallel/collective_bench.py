@@ -11,11 +11,19 @@ all-reduce (``planner/roofline.allreduce_s``), ``latency + 2 (n - 1) / n x bytes
 split evenly over the ranks, with the row bound the block passes): ``fit_all_to_all`` fits the
 planner's model of one (``planner/moe.all_to_all_s``), ``latency + (n - 1) / n x bytes / link``.
 Both by least squares on the samples.
+The ranks' skew (``--tensor-parallel N`` too): every rank runs the same matrix-vector product
+between two all-reduces, at several sizes, and rank 0 adds up the ranks' stamped arrivals
+(``RankGroup.skew``); ``fit_skew`` fits the spread per call (last arrival over the mean) as
+``fixed + cv x e_n x segment`` (``e_n``: the expected largest of n standard normals, so ``cv``
+is a rank's compute jitter as a fraction of its segment), and the lag of a forward's start
+(rank 0's waits at the first all-reduce after each command of a decode step it sends the
+others: the step's work, then the rows to project on the vocabulary).
 
     python -m kvserve.parallel.collective_bench RANK WORLD STORE_PATH PLAN_JSON   (a worker rank)
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
@@ -27,6 +35,8 @@ import numpy as np
 DEFAULT_SIZES = (2**10, 2**12, 2**14, 2**16, 2**18, 2**20)   # fp32 elements: 4 KiB .. 4 MiB
 ALL_TO_ALL_HIDDEN = 1024                                      # fp32 per row: 4 KiB
 ALL_TO_ALL_ROWS = (1, 4, 16, 64, 256)                         # rows to each rank: 4 KiB .. 1 MiB
+SKEW_ROWS = (0, 512, 2048, 4096)     # rows of the [rows, 1024] fp32 product between collectives: 0 .. 16 MiB
+DISPATCH_SEQS = 16                    # the decode step whose work rank 0 sends in the dispatch probe
 
 
 def _call(group, op: str, x):
@@ -59,6 +69,61 @@ def _run(group, op: str, sizes: list[int], repeats: int, device: str) -> list[tu
         torch.set_num_threads(threads)
 
 
+def _run_skew(group, rows_list: list[int], repeats: int) -> dict:
+    """Every rank: per entry of ``rows_list``, ``repeats`` x (a [rows, 1024] fp32 matrix-vector
+    product, then a one-row all-reduce), then ``repeats`` x a decode step's two commands as
+    the engine sends them (its ``ForwardWork``, then the rows to project), each followed by an
+    all-reduce. Rank 0 returns ``segments`` (``_segment_spread``'s rows) and ``dispatch_s`` (its
+    waits at the all-reduces after the commands, per step)."""
+    import torch
+
+    from kvserve.engine.step import ForwardWork
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // group.world_size))
+    operand = torch.zeros(ALL_TO_ALL_HIDDEN)
+    gc.collect()                  # as an engine's ranks run: the collector's pauses (a full pass over a
+    gc.disable()                  # big heap stalls the others) are not the ranks' jitter (startup_gc.py)
+    try:
+        segments = _segment_spread(group, rows_list, repeats, operand)
+        work = ("forward", [ForwardWork([7], 200, list(range(13)), True) for _ in range(DISPATCH_SEQS)])
+        rows = ("project", list(range(DISPATCH_SEQS)))
+        before = group.skew.snapshot()
+        for _ in range(repeats):
+            for command in (work, rows):
+                group.broadcast_object(command if group.rank == 0 else None)
+                group.all_reduce_(operand)
+        added = group.skew.since(before)
+    finally:
+        gc.enable()
+        torch.set_num_threads(threads)
+    return {"segments": segments, "dispatch_s": added.wait_first_s / repeats}
+
+
+def _segment_spread(group, rows_list: list[int], repeats: int, operand) -> list[list[float]]:
+    """Per entry of ``rows_list``: [mean seconds of a [rows, 1024] matrix-vector product, mean
+    spread of the all-reduce after it, mean seconds rank 0 spent in that all-reduce besides
+    waiting for the other ranks], over ``repeats`` rounds that take every size in turn (so a
+    burst of noise from elsewhere on the host falls on all sizes alike), after two warm-up
+    rounds. The last figure grows with the rows: the product streams the mapping's cache lines
+    out, as a layer's weights do in the engine."""
+    import torch
+    vector = torch.rand(1024)
+    matrices = [torch.rand(rows, 1024) for rows in rows_list]
+    sums = [[0.0, 0.0, 0.0] for _ in rows_list]             # compute, spread, all-reduce less wait
+    for i in range(repeats + 2):
+        for weights, total in zip(matrices, sums):
+            started = time.perf_counter()
+            torch.mv(weights, vector)
+            compute = time.perf_counter() - started
+            before, comm = group.skew.snapshot(), group.comm_seconds
+            group.all_reduce_(operand)
+            added = group.skew.since(before)
+            if i >= 2:
+                for k, value in enumerate((compute, added.spread_s, group.comm_seconds - comm - added.wait_s)):
+                    total[k] += value
+    return [[value / repeats for value in total] for total in sums]
+
+
 def _time_size(group, op: str, size: int, repeats: int, device: str) -> tuple[int, float]:
     """(bytes passed in, the best of ``repeats`` timed calls after two warm-ups) for one size."""
     import torch
@@ -83,7 +148,7 @@ def measure(op: str, world_size: int, sizes: tuple[int, ...], repeats: int = 20,
     from kvserve.parallel.group import RankGroup, open_store
     if world_size < 2:
         raise ValueError("a collective needs at least two ranks")
-    if op not in ("all_reduce", "all_to_all"):
+    if op not in ("all_reduce", "all_to_all", "skew"):
         raise ValueError(f"unknown collective {op!r}")
     store, path = open_store(world_size)
     plan = json.dumps({"op": op, "sizes": list(sizes), "repeats": repeats, "device": device})
@@ -91,7 +156,8 @@ def measure(op: str, world_size: int, sizes: tuple[int, ...], repeats: int = 20,
                                  str(world_size), path, plan]) for rank in range(1, world_size)]
     try:
         group = RankGroup(store, 0, world_size, device)
-        samples = _run(group, op, list(sizes), repeats, "cuda:0" if device == "cuda" else "cpu")
+        samples = (_run_skew(group, list(sizes), repeats) if op == "skew" else
+                   _run(group, op, list(sizes), repeats, "cuda:0" if device == "cuda" else "cpu"))
     finally:
         for proc in workers:
             proc.wait(60)
@@ -110,6 +176,21 @@ def measure_all_to_all(world_size: int, rows: tuple[int, ...] = ALL_TO_ALL_ROWS,
     per entry of ``rows``: every rank sends ``rows`` rows of ``ALL_TO_ALL_HIDDEN`` fp32 to every
     rank, itself included (``rows x world_size`` rows in)."""
     return measure("all_to_all", world_size, tuple(r * world_size for r in rows), repeats, device)
+
+
+def measure_skew(world_size: int, rows: tuple[int, ...] = SKEW_ROWS, repeats: int = 300) -> dict:
+    """``world_size`` local CPU ranks' skew at their collectives (``_run_skew``): ``segments``
+    ([seconds of compute between two collectives, mean spread per call, rank 0's seconds in the
+    call less its wait]) and ``dispatch_s``."""
+    return measure("skew", world_size, rows, repeats, "cpu")
+
+
+def fit_skew(record: dict, world_size: int) -> tuple[float, float]:
+    """(fixed seconds per call, cv) of ``spread = fixed + cv x e_n x segment`` fitted to
+    ``record["segments"]`` by least squares (both at least 0)."""
+    from kvserve.planner.rank_skew import expected_max_normal
+    fixed, inverse_slope = _fit([row[0] for row in record["segments"]], [row[1] for row in record["segments"]])
+    return fixed, 1.0 / inverse_slope / max(expected_max_normal(world_size), 1e-12)
 
 
 def calibrate(op: str, world_size: int) -> dict:
@@ -155,7 +236,10 @@ def _worker(argv: list[str]) -> int:
     rank, world_size, path, plan = int(argv[0]), int(argv[1]), argv[2], json.loads(argv[3])
     device = plan["device"]
     group = RankGroup(join_store(world_size, path), rank, world_size, device)
-    _run(group, plan["op"], plan["sizes"], plan["repeats"], f"cuda:{rank}" if device == "cuda" else "cpu")
+    if plan["op"] == "skew":
+        _run_skew(group, plan["sizes"], plan["repeats"])
+    else:
+        _run(group, plan["op"], plan["sizes"], plan["repeats"], f"cuda:{rank}" if device == "cuda" else "cpu")
     return 0
 
 

@@ -41,6 +41,10 @@ class HardwareSpec:
     all_to_all_bw: float = 0.0                 # bytes/s of expert parallelism's all-to-all as measured
                                                # (kvserve profile --expert-parallel); 0: interconnect_bw
     all_to_all_latency_s: float | None = None  # its fixed cost per call; None: interconnect_latency_s
+    rank_skew_fixed_s: float = 0.0             # ranks' arrival spread per collective, fixed part
+    rank_jitter_cv: float = 0.0                # a rank's compute jitter between collectives (std / mean)
+    dispatch_s: float = 0.0                    # per forward: the workers' lag receiving the step's work
+                                               # (all three: planner/rank_skew.py; 0 where unmeasured)
     price_per_hour: float = 0.0                # $ per device-hour
     gpus_per_node: int = 8
     mem_efficiency: float = 0.80

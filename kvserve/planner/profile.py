@@ -229,6 +229,8 @@ def measure(args) -> HardwareSpec:
          "load_average_1m": round(os.getloadavg()[0], 2)}))
     ranks = getattr(args, "tensor_parallel", None) or 1
     hw = calibrate_allreduce(hw, ranks) if ranks > 1 else hw
+    if ranks > 1 and hw.calibration["allreduce"]["device"] == "cpu":      # CUDA ranks' skew: not probed
+        hw = calibrate_rank_skew(hw, ranks)
     ep = getattr(args, "expert_parallel", None) or 1
     return calibrate_all_to_all(hw, ep) if ep > 1 else hw
 
@@ -242,6 +244,19 @@ def calibrate_allreduce(hw: HardwareSpec, ranks: int) -> HardwareSpec:
     record = calibrate("all_reduce", ranks)
     return dataclasses.replace(hw, interconnect_bw=record["bytes_per_s"], interconnect_latency_s=record["latency_s"],
                                gpus_per_node=ranks, calibration=MappingProxyType({**hw.calibration, "allreduce": record}))
+
+
+def calibrate_rank_skew(hw: HardwareSpec, ranks: int) -> HardwareSpec:
+    """The entry with its ranks' skew measured among ``ranks`` local CPU ranks
+    (``collective_bench.measure_skew``): ``rank_skew_fixed_s``, ``rank_jitter_cv`` and
+    ``dispatch_s`` as ``rank_skew.rank_skew_s`` reads them, the samples in the calibration."""
+    from kvserve.parallel.collective_bench import fit_skew, measure_skew
+    print(f"timing the skew of {ranks} cpu ranks at their all-reduces ...", flush=True)
+    record = measure_skew(ranks)
+    fixed, cv = fit_skew(record, ranks)
+    record = {**record, "ranks": ranks, "fixed_s": fixed, "cv": cv}
+    return dataclasses.replace(hw, rank_skew_fixed_s=fixed, rank_jitter_cv=cv, dispatch_s=record["dispatch_s"],
+                               calibration=MappingProxyType({**hw.calibration, "rank_skew": record}))
 
 
 def calibrate_all_to_all(hw: HardwareSpec, ranks: int) -> HardwareSpec:
@@ -274,6 +289,11 @@ def summary(hw: HardwareSpec) -> list[str]:
         ar = cal["allreduce"]
         lines.append(f"all-reduce among {ar['ranks']} {ar['device']} ranks: {ar['latency_s'] * 1e6:.1f} us + bytes / "
                      f"{ar['bytes_per_s'] / 1e9:.2f} GB/s (ring: 2 (n - 1) / n x bytes)")
+    if "rank_skew" in cal:
+        sk = cal["rank_skew"]
+        lines.append(f"skew of {sk['ranks']} cpu ranks: {sk['fixed_s'] * 1e6:.1f} us per collective + jitter cv "
+                     f"{sk['cv']:.3f} of the compute between collectives; dispatch {sk['dispatch_s'] * 1e6:.0f} us "
+                     f"per forward")
     if "all_to_all" in cal:
         a2a = cal["all_to_all"]
         lines.append(f"all-to-all among {a2a['ranks']} {a2a['device']} ranks: {a2a['latency_s'] * 1e6:.1f} us + "

@@ -6,6 +6,7 @@ One engine step on one GPU of a TP-``t`` replica takes::
            + max(weight bytes / (BW x eff_mem),  linear FLOPs / (FLOPS x eff_flops))   # GEMMs
            + max(KV bytes     / (BW x eff_kv),   attention FLOPs / (FLOPS x eff_flops)) # attention
            + all-reduce time (t > 1)
+           + the ranks' skew at those all-reduces (t > 1; ``rank_skew.py``)
 
 GEMMs and attention are separate kernels, so their times add; each is bound by
 the slower of its memory traffic and its arithmetic. Decode at small batch is
@@ -22,6 +23,7 @@ from kvserve.planner.kv_memory import kv_bytes_per_token_per_gpu
 from kvserve.planner.memory import BF16_BYTES
 from kvserve.planner.models import ModelSpec, active_params, attention_flops_per_pair, param_counts
 from kvserve.planner.moe import all_to_all_s
+from kvserve.planner.rank_skew import rank_skew_s
 
 
 @dataclass(frozen=True)
@@ -123,12 +125,13 @@ class StepTime:
     kv_bytes: float
     linear_flops: float
     attn_flops: float
+    skew_s: float = 0.0
 
     @property
     def bound(self) -> str:
         parts = {"weights (memory)": self.weights_s, "GEMM compute": self.linear_compute_s,
                  "KV reads (memory)": self.kv_s, "attention compute": self.attn_compute_s,
-                 "communication": self.comm_s, "host overhead": self.overhead_s}
+                 "communication": self.comm_s, "rank skew": self.skew_s, "host overhead": self.overhead_s}
         return max(parts, key=parts.get)
 
 
@@ -148,19 +151,29 @@ def step_weight_bytes(cm: CostModel, num_tokens: int, samples: bool = True) -> f
     return total
 
 
-def allreduce_s(cm: CostModel, num_tokens: int) -> float:
-    """Two ring all-reduces of [tokens, hidden] per layer: 2(t-1)/t x bytes / link + latency each.
-    With expert parallelism, each MoE layer adds a dispatch + combine all-to-all."""
+def allreduce_s(cm: CostModel, num_tokens: int, num_seqs: int = 0) -> float:
+    """A step's collectives on the wire: two ring all-reduces of [tokens, hidden] per layer and
+    the vocabulary-parallel embedding's one, 2(t-1)/t x bytes / link + latency each, and with
+    ``num_seqs`` sampled rows the gather of their fp32 logits, (t-1)/t x rows x vocab x 4 bytes
+    / link + latency. With expert parallelism, each MoE layer adds a dispatch + combine all-to-all."""
     if cm.tp == 1:
         return 0.0
     hw = cm.hw
-    link = hw.interconnect_bw if cm.tp <= hw.gpus_per_node else min(hw.interconnect_bw, 50e9)
+    link = max(hw.interconnect_bw if cm.tp <= hw.gpus_per_node else min(hw.interconnect_bw, 50e9), 1.0)
     size = num_tokens * cm.model.hidden_size * cm.act_bytes
-    one = 2 * (cm.tp - 1) / cm.tp * size / max(link, 1.0) + hw.interconnect_latency_s
-    total = 2 * cm.model.num_layers * one
+    one = 2 * (cm.tp - 1) / cm.tp * size / link + hw.interconnect_latency_s
+    total = (2 * cm.model.num_layers + 1) * one
+    if num_seqs:
+        total += (cm.tp - 1) / cm.tp * num_seqs * cm.model.vocab_size * 4 / link + hw.interconnect_latency_s
     if cm.expert_parallel:
         total += cm.num_moe_layers * all_to_all_s(cm.model, hw, cm.tp, num_tokens, cm.act_bytes)[1]
     return total
+
+
+def collectives_per_step(cm: CostModel) -> int:
+    """Collectives of one decode step: two all-reduces per layer, the embedding's and the
+    logits' gather, and with expert parallelism a dispatch and a combine per MoE layer."""
+    return 2 * cm.model.num_layers + 2 + (2 * cm.num_moe_layers if cm.expert_parallel else 0)
 
 
 def step_time(cm: CostModel, work: StepWork, peak: bool = False) -> StepTime:
@@ -178,24 +191,27 @@ def step_time(cm: CostModel, work: StepWork, peak: bool = False) -> StepTime:
     attn_s = attn_flops / (cm.flops * eff_f)
     attn_total = sum(max(kv * cm.kv_bytes_per_token / (hw.mem_bandwidth * eff_kv),
                          pairs * cm.attn_flops_per_pair / cm.tp / (cm.flops * eff_f)) for kv, pairs in work.attn)
-    comm = allreduce_s(cm, work.num_tokens)
+    comm = allreduce_s(cm, work.num_tokens, work.num_seqs)
+    compute = max(weights_s, lin_s) + attn_total
+    skew = 0.0 if peak else rank_skew_s(hw, cm.tp, collectives_per_step(cm), compute)
     overhead = 0.0 if peak else hw.step_overhead_s + hw.seq_overhead_s * work.num_seqs
-    total = overhead + max(weights_s, lin_s) + attn_total + comm
+    total = overhead + compute + comm + skew
     return StepTime(total, weights_s, lin_s, kv_s, attn_s, comm, overhead, wbytes, kv_bytes,
-                    lin_flops, attn_flops)
+                    lin_flops, attn_flops, skew)
 
 
 def explain_step(cm: CostModel, work: StepWork, st: StepTime, label: str) -> str:
     """One line: the step's bytes and FLOPs, each over its rate, and the sum."""
     hw = cm.hw
     e_w = hw.weight_efficiency(work.num_tokens)
+    skew = f" + rank skew {fmt_seconds(st.skew_s)}" if st.skew_s else ""
     return (f"{label}: max(weights {fmt_bytes(st.weight_bytes)} / ({fmt_rate(hw.mem_bandwidth, 'B/s')} x "
             f"{e_w:.3g}) = {fmt_seconds(st.weights_s)}, GEMM {st.linear_flops:.3g} FLOP / "
             f"({fmt_rate(cm.flops, 'FLOP/s')} {cm.compute_dtype} x {hw.flops_efficiency:.3g}) = "
             f"{fmt_seconds(st.linear_compute_s)}) + max(KV {work.kv_tokens_read:,.0f} tokens x "
             f"{cm.kv_bytes_per_token:,.0f} B = {fmt_bytes(st.kv_bytes)} / (BW x {hw.kv_efficiency:.3g}) = "
             f"{fmt_seconds(st.kv_s)}, attention {st.attn_flops:.3g} FLOP = {fmt_seconds(st.attn_compute_s)})"
-            f" + all-reduce {fmt_seconds(st.comm_s)} + host {fmt_seconds(st.overhead_s)} = "
+            f" + all-reduce {fmt_seconds(st.comm_s)}{skew} + host {fmt_seconds(st.overhead_s)} = "
             f"{fmt_seconds(st.total_s)} [{st.bound}-bound]")
 
 

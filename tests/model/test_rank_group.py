@@ -41,6 +41,7 @@ def test_two_rank_collectives_on_loopback():
     assert theirs["exchanged"] == [[2.0], [11.0], [12.0]]
     assert theirs["received"] == {"step": 7, "rows": [1, 2, 3]}
     assert group.uses_shared_memory and theirs["shm"]             # small CPU collectives: shared memory
+    assert group.skew.calls == 3 and group.skew.spread_s >= 0     # the three shared-memory calls' arrivals
     assert float(big[0]) == 3.0 and theirs["big"] == 3.0 and float(big[-1]) == 3.0
     assert group.comm_calls == 5 and group.comm_seconds > 0
     assert mine and set(mine) == {"127.0.0.1"}, mine
@@ -60,6 +61,25 @@ def test_profile_fits_the_link_to_measured_all_reduces():
     assert hw.gpus_per_node == 2 and hw.interconnect_bw == record["bytes_per_s"] > 0
     assert hw.interconnect_latency_s == record["latency_s"] >= 0
     assert any(line.startswith("all-reduce among 2 cpu ranks") for line in summary(hw))
+
+
+def test_profile_measures_the_ranks_skew():
+    """``kvserve profile --tensor-parallel 2``'s skew step: two ranks run the same products
+    between all-reduces and a decode step's two commands; the entry gets the fixed spread, the
+    jitter and the dispatch lag that ``rank_skew.rank_skew_s`` reads."""
+    from kvserve.parallel.collective_bench import SKEW_ROWS
+    from kvserve.planner.hardware import HardwareSpec
+    from kvserve.planner.profile import calibrate_rank_skew, summary
+    raw = HardwareSpec(name="host", memory_bytes=24e9, mem_bandwidth=28e9, flops={"fp32": 1.6e11}, gpus_per_node=2)
+    hw = calibrate_rank_skew(raw, 2)
+    record = hw.calibration["rank_skew"]
+    assert record["ranks"] == 2 and len(record["segments"]) == len(SKEW_ROWS)
+    segments = [row[0] for row in record["segments"]]
+    assert segments == sorted(segments) and segments[-1] > 10 * segments[1] > 0   # the products grow with rows
+    assert all(spread >= 0 and wire > 0 for _, spread, wire in record["segments"])
+    assert hw.rank_skew_fixed_s == record["fixed_s"] >= 0 and hw.rank_jitter_cv == record["cv"] >= 0
+    assert 0 < hw.dispatch_s == record["dispatch_s"] < 0.05
+    assert any(line.startswith("skew of 2 cpu ranks") for line in summary(hw))
 
 
 def test_profile_fits_the_all_to_all_to_measured_ones():

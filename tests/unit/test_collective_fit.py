@@ -34,7 +34,9 @@ def test_the_planner_reads_the_fitted_link():
     model = preset("llama-3-8b")
     cm = cost_model(model, hw, weight_dtype("fp32"), kv_dtype("fp32"), 2)
     one = 2 * (2 - 1) / 2 * 16 * model.hidden_size * 4 / 16e9 + 50e-6
-    assert allreduce_s(cm, 16) == pytest.approx(2 * model.num_layers * one)
+    assert allreduce_s(cm, 16) == pytest.approx((2 * model.num_layers + 1) * one)   # layers' and embedding's
+    logits = 1 / 2 * 16 * model.vocab_size * 4 / 16e9 + 50e-6                       # the gather of 16 rows
+    assert allreduce_s(cm, 16, num_seqs=16) == pytest.approx((2 * model.num_layers + 1) * one + logits)
     slower = cost_model(model, dataclasses.replace(hw, interconnect_bw=8e9), weight_dtype("fp32"), kv_dtype("fp32"), 2)
     assert allreduce_s(slower, 16) > allreduce_s(cm, 16)
 
