@@ -133,7 +133,9 @@ class ShmCollectives:
     def broadcast_bytes(self, payload: bytes | None) -> bytes | None:
         """Rank 0's ``payload`` on every rank (the others pass None), through rank 0's slot; None
         on every rank when it does not fit a slot (the caller then sends it another way).
-        The other ranks wait patiently: this is how they wait for rank 0's next command."""
+        Every rank waits patiently: the workers wait here for rank 0's next command as long as
+        the engine idles, and rank 0 for workers still loading their shards at start-up; a rank
+        whose process is gone still ends the wait."""
         self._call += 1
         slot = self._slots[0, self._call & 1]
         if self.rank == 0:
@@ -141,7 +143,7 @@ class ShmCollectives:
             slot[:8].view(torch.int64)[0] = size
             if size > 0:
                 slot[8:8 + size].copy_(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
-        self._arrive_and_wait(patient=self.rank != 0)
+        self._arrive_and_wait(patient=True)
         size = int(slot[:8].view(torch.int64)[0])
         if size < 0:
             return None
