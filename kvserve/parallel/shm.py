@@ -29,8 +29,9 @@ command in rank 0's slot; ~0.1 ms where gloo's two broadcasts over loopback TCP 
 ms), and a worker waiting for the next one naps between polls once it has waited a few
 milliseconds, so an idle replica's workers do not hold their cores.
 
-A rank that never arrives (its process died) makes the wait raise after ``timeout_s``.
-Larger tensors than a slot fall back to the process group's own collective.
+Each rank writes its pid in its counter's line too: a wait notices within milliseconds that a
+rank which has not arrived has no live process (it died) and raises; a rank that is alive but
+never arrives makes a collective's wait raise after ``timeout_s``. Larger tensors than a slot fall back to the process group's own collective.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ import torch
 
 COUNTER_BYTES = 64          # one cache line per rank's counter
 BUSY_SPINS = 32             # polls before each further poll yields the core
-PATIENT_SPIN_S = 0.005      # a patient wait (a worker idle between commands) yields this long ...
+PATIENT_SPIN_S = 0.005      # a patient wait (a command's: workers idle there) yields this long ...
 PATIENT_NAP_S = 0.0002      # ... then naps this long between polls
 
 
@@ -99,8 +100,9 @@ class ShmCollectives:
     def _arrive_and_wait(self, patient: bool = False) -> None:
         """Count this rank in for call ``self._call`` (its slot written, its arrival stamped),
         then wait for every rank: spin, then yield the core, and past ``timeout_s`` raise —
-        or, ``patient`` (a worker waiting for rank 0's next command, for as long as the engine
-        idles), sleep in short naps once the wait is past ``PATIENT_SPIN_S`` and never raise."""
+        or, ``patient`` (a command's wait: a worker idles there as long as the engine does),
+        sleep in short naps once the wait is past ``PATIENT_SPIN_S`` and never time out. Either
+        raises when a rank that has not arrived has no live process."""
         self._stamps[self.rank, self._call & 1] = time.perf_counter_ns()
         self._counters[self.rank] = self._call
         deadline, spins, napping = None, 0, False

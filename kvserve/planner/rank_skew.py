@@ -17,6 +17,7 @@ carry 0 (not measured here: their ranks' jitter needs their GPUs).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 from kvserve.planner.hardware import HardwareSpec
@@ -24,8 +25,10 @@ from kvserve.planner.hardware import HardwareSpec
 _GRID = 4001                  # points of the numerical integral over [-8, 8] standard deviations
 
 
+@functools.lru_cache(maxsize=64)
 def expected_max_normal(n: int) -> float:
-    """E[max of ``n`` independent standard normals]; 0 for one."""
+    """E[max of ``n`` independent standard normals]; 0 for one (a pure function of ``n``,
+    memoised: the integral takes ~1 ms and a simulation asks at every step)."""
     if n <= 1:
         return 0.0
     step = 16.0 / (_GRID - 1)
@@ -40,7 +43,7 @@ def expected_max_normal(n: int) -> float:
 def rank_skew_s(hw: HardwareSpec, ranks: int, collectives: int, compute_s: float) -> float:
     """Seconds a step of ``ranks`` ranks with ``collectives`` collectives and ``compute_s``
     seconds of compute per rank loses to the ranks' skew (module docstring)."""
-    if ranks <= 1:
+    if ranks <= 1 or not (hw.rank_skew_fixed_s or hw.rank_jitter_cv or hw.dispatch_s):
         return 0.0
     return (collectives * hw.rank_skew_fixed_s + hw.rank_jitter_cv * expected_max_normal(ranks) * compute_s
             + hw.dispatch_s)
