@@ -174,9 +174,13 @@ def _ratio(predicted: float, measured: float) -> float | None:
 
 
 def bench_tp(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvserve-tp-bench-") as folder:      # 0.6 GB of weights
+        save_llama(folder)
+        return _bench_tp(folder, quick)
+
+
+def _bench_tp(folder: str, quick: bool) -> dict:
     import random
-    folder = tempfile.mkdtemp(prefix="kvserve-tp-bench-")
-    save_llama(folder)
     rng = random.Random(0)
     count, output_tokens = (4, 16) if quick else (16, 64)
     prompts = [[rng.randrange(3, 49152) for _ in range(128)] for _ in range(count)]
@@ -215,11 +219,15 @@ def ep_batch(llm, prompts, output_tokens: int) -> dict:
 
 
 def bench_ep(quick: bool) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kvserve-ep-bench-") as folder:
+        save_moe(folder)
+        return _bench_ep(folder, quick)
+
+
+def _bench_ep(folder: str, quick: bool) -> dict:
     import random
 
     from kvserve import LLM
-    folder = tempfile.mkdtemp(prefix="kvserve-ep-bench-")
-    save_moe(folder)
     rng = random.Random(1)
     batches = [1, 8] if quick else [1, 4, 16, 64]
     output_tokens = 8 if quick else 32

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 
+from kvserve.cluster import policy_board
 from kvserve.cluster.autoscaling import AutoscaleSettings, StepInputs, autoscale_step
 
 LOG = "ray.serve"           # the controller's log file (logs/serve/controller_*.log) records this logger's lines
@@ -28,8 +29,9 @@ LOOK_BACK_S = 10.0          # samples kept per push; recorded every LOOK_BACK_S 
 
 class KVServeAutoscalingPolicy:
     """Ray Serve's custom autoscaling policy for one ``EngineReplica`` deployment: reads the
-    context, calls ``autoscaling.autoscale_step`` (the pure policy) and logs each change of the
-    decision or the demand to the controller's log."""
+    context, calls ``autoscaling.autoscale_step`` (the pure policy), and on each change of the
+    decision, the demand or the tier logs it to the controller's log and publishes it for the
+    ingress's ``/cluster/status`` (``policy_board.py``)."""
 
     def __init__(self, **settings):
         self.settings = AutoscaleSettings(**settings)
@@ -48,6 +50,9 @@ class KVServeAutoscalingPolicy:
             shown = tier if tier == self.settings.tier else f"{tier}, planned {self.settings.tier}"
             logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s): %d replicas: %s",
                                         ctx.deployment_name, self.settings.mode, shown, replicas, reason)
+            policy_board.publish(ctx.app_name, ctx.deployment_name,
+                                 {"mode": self.settings.mode, "tier": tier, "planned_tier": self.settings.tier,
+                                  "replicas": replicas, "reason": reason, "at_s": round(inputs.now_s, 3)})
         return replicas, state
 
 

@@ -63,6 +63,15 @@ def _engine(cluster) -> dict:
     return r.json()["deployments"]["engine"]
 
 
+def _autoscale_record(cluster, timeout_s: float = 20.0) -> dict:
+    """The engine deployment's ``autoscale`` entry of /cluster/status, once the policy has run."""
+    deadline = time.monotonic() + timeout_s
+    while "autoscale" not in (engine := _engine(cluster)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert "autoscale" in engine, engine
+    return engine["autoscale"]
+
+
 def _controller_log(cluster) -> str:
     return "".join(open(p, encoding="utf-8", errors="replace").read()
                    for p in glob.glob(os.path.join(cluster.logs_dir(), "serve", "controller_*.log")))
@@ -73,6 +82,8 @@ def test_a_cold_model_scales_from_zero_on_its_first_request(cluster):
     time.sleep(2)
     engine = _engine(cluster)                            # and the policy does not start one by itself
     assert engine["running"] == 0 and not engine["replicas"].get("STARTING"), engine
+    board = _autoscale_record(cluster)                   # the policy's decision, as /cluster/status shows it
+    assert (board["mode"], board["tier"], board["planned_tier"], board["replicas"]) == ("tokens", "cold", "cold", 0)
     started = time.monotonic()
     r = httpx.post(cluster.base_url + "/chat/completions", json=BODY, timeout=150)
     waited = time.monotonic() - started
@@ -92,6 +103,7 @@ def test_a_cold_model_scales_from_zero_on_its_first_request(cluster):
                                                                   r"= [\d.]+ \+ decode ([\d.,]+) /", log)]
     assert any(d > 0 for d in decode), log[-3000:]      # the replica's counters reached the policy
     assert _engine(cluster)["running"] == 1                     # held: the downscale window is 300 s
+    assert _engine(cluster)["autoscale"]["replicas"] == 1 and _engine(cluster)["autoscale"]["tier"] == "cold"
 
 
 def _replica_start_layers(cluster) -> dict[str, float]:
