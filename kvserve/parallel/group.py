@@ -143,17 +143,16 @@ class RankGroup:
         return out
 
     def broadcast_object(self, obj=None):
-        """Rank 0's ``obj`` on every rank (pickled): through shared memory where the ranks have
-        it and the bytes fit a slot, else over gloo (a length, then the bytes)."""
+        """Rank 0's ``obj`` on every rank (pickled once): through shared memory where the ranks
+        have it and the bytes fit a slot, else over gloo (a length, then the bytes)."""
         self._after_command = True
+        payload = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL) if self.rank == 0 else None
         if self._shm is not None:
-            data = self._shm.broadcast_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-                                             if self.rank == 0 else None)
+            data = self._shm.broadcast_bytes(payload)
             if data is not None:
                 return obj if self.rank == 0 else pickle.loads(data)
         if self.rank == 0:
-            data = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)),
-                                    dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
             size = torch.tensor([data.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)

@@ -19,7 +19,23 @@ from kvserve.engine.step import ForwardWork
 logger = logging.getLogger("kvserve.parallel")
 
 
-class TensorParallelRunner(ModelRunner):
+class _ProjectsOnRanks:
+    """Vocabulary projections of a runner that drives ranks (``self.group``): ``project`` names
+    the rows (a list of indices or a slice, a few bytes where the rows are ``rows x hidden``
+    floats) and each worker projects its own copy of the last forward's hidden states;
+    ``logits`` (hidden rows a caller built itself) sends the rows. Either way the logits'
+    all-gather pairs with the workers'."""
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self.group.broadcast_object(("logits", hidden))
+        return ModelRunner.logits(self, hidden)
+
+    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
+        self.group.broadcast_object(("project", rows.tolist() if isinstance(rows, torch.Tensor) else rows))
+        return ModelRunner.logits(self, hidden[rows])
+
+
+class TensorParallelRunner(_ProjectsOnRanks, ModelRunner):
     """``ModelRunner`` on rank 0's shard (``model`` is a ``TensorParallelModel``) that
     also drives ranks 1..N-1 (``workers``, their processes) through ``group``."""
 
@@ -31,14 +47,6 @@ class TensorParallelRunner(ModelRunner):
     def _forward(self, items):
         self.group.broadcast_object(("forward", [ForwardWork.of(s) for s in items]))
         return super()._forward(items)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.broadcast_object(("logits", hidden))
-        return super().logits(hidden)
-
-    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
-        announce_rows(self.group, rows)
-        return ModelRunner.logits(self, hidden[rows])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         if copies:
@@ -74,7 +82,7 @@ class TensorParallelRunner(ModelRunner):
                 proc.wait(timeout_s)
 
 
-class TensorParallelDraftRunner(ModelRunner):
+class TensorParallelDraftRunner(_ProjectsOnRanks, ModelRunner):
     """Rank 0's runner of a self-draft under tensor parallelism: forwards of the shard's
     first ``num_layers`` layers (``model`` is the truncated view), each announced to the
     other ranks as ``draft_forward`` so they run the same layers of their shards; vocabulary
@@ -87,18 +95,3 @@ class TensorParallelDraftRunner(ModelRunner):
     def _forward(self, items):
         self.group.broadcast_object(("draft_forward", (self.num_layers, [ForwardWork.of(s) for s in items])))
         return super()._forward(items)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self.group.broadcast_object(("logits", hidden))
-        return super().logits(hidden)
-
-    def project(self, hidden: torch.Tensor, rows) -> torch.Tensor:
-        announce_rows(self.group, rows)
-        return ModelRunner.logits(self, hidden[rows])
-
-
-def announce_rows(group, rows) -> None:
-    """Rank 0's side of ``project``: name the rows to project (``project``: a list of indices
-    or a slice, a few bytes where the rows themselves are ``rows x hidden`` floats); each
-    worker projects its own copy of them, and the logits' all-gather pairs with rank 0's."""
-    group.broadcast_object(("project", rows.tolist() if isinstance(rows, torch.Tensor) else rows))
