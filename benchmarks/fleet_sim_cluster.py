@@ -13,9 +13,10 @@
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
    slowed by the probe's factor and per-sequence cost, the probe's path latency, the replica
-   start the cluster took, and the host's cores shared by the busy engines and the plane
+   start the cluster took, and the host's cores shared by the busy engines, the replicas starting
+   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane
    (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit without the
-   shared cores).
+   shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
 
@@ -77,7 +78,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
-    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, read_cpu
+    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, process_cpu, read_cpu
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
     from kvserve.loader.api import default_model_path
@@ -94,27 +95,45 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
         idle_to = read_cpu()
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1))
         plane = PlaneFit.measure(idle_from, idle_to, read_cpu(), sum(probe.output))
-        measured, served_by, changes = asyncio.run(replay_and_watch(cluster.url, trace, vocab))
+        snapshots = []
+        measured, served_by, changes = asyncio.run(replay_and_watch(
+            cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu())))
     starts = start_durations(changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
+    start_cores = starting_cores(changes, snapshots)
     fit = fit_host(probed, lambda factor, extra: simulate(probe, factor, extra)[0],
                    one_at_a_time=len(probe) - args.max_num_seqs)
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s)
-    simulated, sim_steps = on_fit(SharedHost(host_cores(), args.threads, plane))
+    simulated, sim_steps = on_fit(SharedHost(host_cores(), args.threads, plane, start_cores))
     end = sum(seconds for seconds, _ in phases)
     result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
     on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, 0.0, start_s), end)
     unshared = compare_cluster(measured, running_steps(changes), *on_fit(None), end)
+    starts_free = compare_cluster(measured, running_steps(changes),
+                                  *on_fit(SharedHost(host_cores(), args.threads, plane)), end)
     hw = simulate.hw
     return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
-            "replica_starts_measured_s": [round(s, 2) for s in starts],
+            "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
             "measured_requests_per_replica": dict(Counter(map(str, served_by))),
             **result, "profile_alone": {"simulated": on_profile["simulated"], "ratio": on_profile["ratio"]},
-            "cores_unshared": {"simulated": unshared["simulated"], "ratio": unshared["ratio"]}}, \
+            "cores_unshared": {"simulated": unshared["simulated"], "ratio": unshared["ratio"]},
+            "starts_cost_no_cpu": {"simulated": starts_free["simulated"], "ratio": starts_free["ratio"]}}, \
         measured, simulated
+
+
+def starting_cores(changes: list, snapshots: list) -> float:
+    """The cores a starting replica kept busy: over the measured starts (``replay.start_windows``),
+    the core-seconds of the processes that appeared meanwhile (``host_cpu.new_processes_cpu_s``:
+    Ray's worker taking the replica actor, the engine process it spawned) over the seconds."""
+    from kvserve.fleetsim.host_cpu import new_processes_cpu_s
+    from kvserve.fleetsim.replay import start_windows
+    spans = [(new_processes_cpu_s(snapshots[b], snapshots[e]), changes[e][0] - changes[b][0])
+             for b, e in start_windows(changes)]
+    seconds = sum(s for _, s in spans)
+    return sum(cpu for cpu, _ in spans) / seconds if seconds > 0 else 0.0
 
 
 class _Simulator:

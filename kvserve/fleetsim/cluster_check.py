@@ -75,8 +75,8 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     path's hops); its TTFT counts from the send. ``slots`` and ``queue_wait_s``: the ingress's
     queue (``cluster/admission.fleet_slots``): beyond ``slots`` requests on the replicas, the
     rest wait at the deployment, at most ``queue_wait_s``. The replicas run the engine's scheduler
-    (``SchedulerReplica``) on ``host`` (``host_cpu.SharedHost``: the cores they and the serving
-    plane share; None: each its own)."""
+    (``SchedulerReplica``) on ``host`` (``host_cpu.SharedHost``: the cores they, the replicas
+    starting and the serving plane share; None: each its own)."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
@@ -92,7 +92,7 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
                         headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
                         max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",))
     sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
-                   functools.partial(SchedulerReplica, host=host))
+                   functools.partial(SchedulerReplica, host=host), host=host)
     serving = sim.run()["serving"]
     log.arrival = list(trace.arrival)
     return log, [(t, counts[0]) for t, counts in serving]

@@ -11,7 +11,9 @@ zero); a queued request older than ``max_queue_wait_s`` is answered 503 + Retry-
 most that many requests are on the replicas at once: the others wait in the same queue, first
 come first served (one model has one class), and each request that finishes hands its slot to
 the head of the queue, routed then to whichever replica the policy picks. A replica costs from
-the moment it is asked for (its GPUs are held while it starts) until it has drained.
+the moment it is asked for (its GPUs are held while it starts) until it has drained. With a
+``host`` (``host_cpu.SharedHost``: replicas sharing one machine's cores) the deployment tells it
+when a replica starts and when that start ends.
 """
 from __future__ import annotations
 
@@ -31,8 +33,10 @@ class Deployment:
     """One model's replicas and queue (the module docstring)."""
 
     def __init__(self, index: int, sizing: ReplicaSizing, tier: ResidencyTier, log: RequestLog,
-                 replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None):
+                 replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None,
+                 host=None):
         self.index = index
+        self.host = host                               # a SharedHost the starts load, or None
         self.slots = slots                             # requests on the replicas at most (None: no bound)
         self.in_flight = 0                             # requests routed and not finished
         self.sizing = sizing
@@ -78,12 +82,16 @@ class Deployment:
         ready_at = now + self.sizing.cold_start.start_s(weights_in_host_memory(self.tier))
         self.starting[name] = ready_at
         self.starts += 1
+        if self.host is not None:
+            self.host.starting(name)
         return name, ready_at
 
     def replica_ready(self, name: str, now: float) -> list[tuple[object, float]]:
         """A started replica serves: the queue drains into the fleet; (replica, next event) pairs."""
         if self.starting.pop(name, None) is None:
             return []                                    # cancelled while starting
+        if self.host is not None:
+            self.host.start_ended(name)
         replica = self.factory(name, self.sizing, self.log)
         replica.owner = self.index
         self.ready.append(replica)
@@ -115,6 +123,8 @@ class Deployment:
         self.account(now)
         for name in sorted(self.starting, key=self.starting.get, reverse=True)[:count]:
             del self.starting[name]
+            if self.host is not None:
+                self.host.start_ended(name)
             count -= 1
         for replica in sorted(self.ready, key=lambda r: (r.num_running + r.num_waiting, r.name))[:max(0, count)]:
             self.ready.remove(replica)

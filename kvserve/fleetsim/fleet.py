@@ -29,11 +29,12 @@ TIMELINE_EVERY_S = 300.0
 
 
 class FleetSim:
-    """One policy over one scenario's requests; ``run()`` fills the log and returns the fleet's record."""
+    """One policy over one scenario's requests; ``run()`` fills the log and returns the fleet's record.
+    ``host``: one ``host_cpu.SharedHost`` all deployments' replicas share (the local-cluster check)."""
 
     def __init__(self, scenario: Scenario, policy: str, sizings: list[ReplicaSizing], log: RequestLog,
                  planned: dict[str, ResidencyTier], peak_rps: list[float], initial_rps: list[float],
-                 replica_factory=BatchReplica):
+                 replica_factory=BatchReplica, host=None):
         self.scenario, self.policy, self.log = scenario, POLICIES[policy], log
         self.planned = planned
         self.heap: list = []
@@ -41,7 +42,7 @@ class FleetSim:
         self.deployments, self.scalers = [], []
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
-            dep = Deployment(i, sizing, tier, log, replica_factory, slots=scenario.ingress_slots)
+            dep = Deployment(i, sizing, tier, log, replica_factory, slots=scenario.ingress_slots, host=host)
             wanted = self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i])
             for _ in range(wanted):
                 name, _ready = dep.start_replica(0.0)

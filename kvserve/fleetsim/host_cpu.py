@@ -8,16 +8,24 @@ slows by the same factor (the kernel shares the cores). With ``n`` engines busy,
 ``c`` core-seconds per streamed token at the engines' unslowed rate ``R`` tokens/s (which the
 factor slows too), ``b`` background cores and ``C`` cores, the factor ``s`` (at least 1) solves
 
-    s x C = n x threads + b + c x R / s.
+    s x C = n x threads + b + k x start + c x R / s,
+
+where ``k`` replicas are starting, each busy with ``start`` cores (a new replica's imports,
+weight loading and warm-up; Ray's worker and the engine process it spawns).
 
 ``PlaneFit`` measures ``c`` and ``b`` in place (``host_fit``'s probe): ``b`` = the machine's busy
 cores (``/proc/stat``) while the cluster idles; ``c`` = the machine's busy core-seconds over
 the probe, less the background and the engine processes' own CPU (``/proc/PID/stat`` of every
 process running ``kvserve.ipc.engine_proc``), per token the probe streamed.
 
+``start`` is measured where the replicas start (``new_processes_cpu_s``: the core-seconds of the
+processes that appeared, or took on a new command line, between two ``process_cpu`` snapshots
+at the start's ends, over its seconds).
+
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
-say when they are busy and at what token rate, and each step's time is multiplied by the
-factor at the step's start.
+say when they are busy and at what token rate, the deployment when one starts and when it
+serves (``Deployment(host=)``), and each step's time is multiplied by the factor at the step's
+start.
 """
 from __future__ import annotations
 
@@ -46,20 +54,37 @@ def machine_busy_s(stat_path: str = "/proc/stat") -> float:
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def engines_cpu_s(marker: str = ENGINE_MARKER) -> float:
-    """Core-seconds used so far by the running processes whose command line holds ``marker``."""
-    total, tick = 0.0, os.sysconf("SC_CLK_TCK")
+def _processes():
+    """(pid, command line, core-seconds used so far) of every running process."""
+    tick = os.sysconf("SC_CLK_TCK")
     for pid in filter(str.isdigit, os.listdir("/proc")):
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if marker.encode() not in f.read():
-                    continue
+                cmdline = f.read()
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue                              # the process ended meanwhile
-        total += (int(fields[11]) + int(fields[12])) / tick
-    return total
+        yield int(pid), cmdline, (int(fields[11]) + int(fields[12])) / tick
+
+
+def engines_cpu_s(marker: str = ENGINE_MARKER) -> float:
+    """Core-seconds used so far by the running processes whose command line holds ``marker``."""
+    return sum(cpu for _, cmdline, cpu in _processes() if marker.encode() in cmdline)
+
+
+def process_cpu() -> dict[tuple[int, bytes], float]:
+    """Core-seconds used so far by every running process, keyed by (pid, command line): a Ray
+    worker that takes on an actor changes its command line and counts as another process."""
+    return {(pid, cmdline): cpu for pid, cmdline, cpu in _processes()}
+
+
+def new_processes_cpu_s(before: dict[tuple[int, bytes], float], after: dict[tuple[int, bytes], float]) -> float:
+    """Core-seconds spent between two ``process_cpu`` snapshots by the processes ``after`` has and
+    ``before`` lacks (a pid seen before under another command line: only what it spent since)."""
+    spent_before = {pid: cpu for (pid, _), cpu in before.items()}
+    return sum(max(0.0, cpu - spent_before.get(pid, 0.0)) for (pid, cmdline), cpu in after.items()
+               if (pid, cmdline) not in before)
 
 
 def read_cpu() -> CpuReading:
@@ -93,13 +118,15 @@ class PlaneFit:
 
 class SharedHost:
     """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
-    ``engine_threads``, and the serving plane's ``plane``."""
+    ``engine_threads``, the serving plane's ``plane`` and each starting replica's ``start_cores``."""
 
-    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit):
+    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0):
         self.cores = cores
         self.engine_threads = engine_threads
         self.plane = plane
+        self.start_cores = start_cores
         self._rates: dict[str, float] = {}       # busy replica -> its unslowed streamed tokens/s
+        self._starting: set[str] = set()
 
     def busy(self, replica: str, tokens_per_s: float) -> None:
         """``replica`` steps, streaming ``tokens_per_s`` at its unslowed step time."""
@@ -109,6 +136,14 @@ class SharedHost:
         """``replica`` has nothing to step."""
         self._rates.pop(replica, None)
 
+    def starting(self, replica: str) -> None:
+        """``replica`` is starting: it loads for ``start_cores`` until ``start_ended``."""
+        self._starting.add(replica)
+
+    def start_ended(self, replica: str) -> None:
+        """``replica`` serves now (or its start was cancelled)."""
+        self._starting.discard(replica)
+
     @property
     def busy_replicas(self) -> frozenset[str]:
         """The replicas stepping now."""
@@ -116,7 +151,8 @@ class SharedHost:
 
     def factor(self) -> float:
         """How much slower than alone every busy engine steps now (at least 1)."""
-        demand = len(self._rates) * self.engine_threads + self.plane.background_cores
+        demand = len(self._rates) * self.engine_threads + self.plane.background_cores \
+            + len(self._starting) * self.start_cores
         plane = self.plane.cpu_s_per_token * sum(self._rates.values())
         s = (demand + math.sqrt(demand * demand + 4 * self.cores * plane)) / (2 * self.cores)
         return max(1.0, s)

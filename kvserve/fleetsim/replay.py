@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Callable
 
 import httpx
 import numpy as np
@@ -78,9 +79,10 @@ async def replay_trace(base_url: str, trace: RequestLog, vocab_size: int, model:
 
 
 async def watch_replicas(base_url: str, stop: asyncio.Event, t0: float, deployment: str = "engine",
-                         every_s: float = POLL_EVERY_S) -> list[tuple[float, dict[str, int]]]:
+                         every_s: float = POLL_EVERY_S, on_change: Callable[[], None] | None = None
+                         ) -> list[tuple[float, dict[str, int]]]:
     """Until ``stop`` is set: (seconds after ``t0``, the deployment's replicas by Ray Serve state)
-    each time they change, the first poll included."""
+    each time they change, the first poll included; ``on_change()`` is called at each."""
     changes: list[tuple[float, dict[str, int]]] = []
     async with httpx.AsyncClient(timeout=30.0) as client:
         while not stop.is_set():
@@ -89,6 +91,8 @@ async def watch_replicas(base_url: str, stop: asyncio.Event, t0: float, deployme
                 states = r.json()["deployments"][deployment]["replicas"]
                 if not changes or changes[-1][1] != states:
                     changes.append((time.perf_counter() - t0, states))
+                    if on_change is not None:
+                        on_change()
             try:
                 await asyncio.wait_for(stop.wait(), every_s)
             except asyncio.TimeoutError:
@@ -97,11 +101,12 @@ async def watch_replicas(base_url: str, stop: asyncio.Event, t0: float, deployme
 
 
 async def replay_and_watch(base_url: str, trace: RequestLog, vocab_size: int, model: str | None = None,
-                           seed: int = 0) -> tuple[RequestLog, list[str | None], list[tuple[float, dict[str, int]]]]:
-    """``replay_trace`` with ``watch_replicas`` beside it, on one clock: the log, the replica of
-    each request, the replica count's changes."""
+                           seed: int = 0, on_change: Callable[[], None] | None = None
+                           ) -> tuple[RequestLog, list[str | None], list[tuple[float, dict[str, int]]]]:
+    """``replay_trace`` with ``watch_replicas`` (and its ``on_change``) beside it, on one clock: the
+    log, the replica of each request, the replica count's changes."""
     stop, t0 = asyncio.Event(), time.perf_counter()
-    watcher = asyncio.create_task(watch_replicas(base_url, stop, t0))
+    watcher = asyncio.create_task(watch_replicas(base_url, stop, t0, on_change=on_change))
     try:
         log, served_by = await replay_trace(base_url, trace, vocab_size, model, seed, t0)
     finally:
@@ -119,17 +124,23 @@ def running_steps(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[flo
     return steps
 
 
-def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
-    """Seconds from a replica appearing as STARTING (or PENDING_*) to the RUNNING count growing:
-    each scale-up's measured start, as the poll saw it (within ``POLL_EVERY_S``)."""
-    durations, asked_at, last_running = [], None, None
-    for t, states in changes:
+def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int, int]]:
+    """Each scale-up's start as indices into ``changes``: (the change where a replica appeared as
+    STARTING or PENDING_*, the change where the RUNNING count grew), as the poll saw them."""
+    windows, asked_at, last_running = [], None, None
+    for i, (_, states) in enumerate(changes):
         running = int(states.get("RUNNING", 0))
         pending = sum(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
         if pending and asked_at is None:
-            asked_at = t
+            asked_at = i
         if last_running is not None and running > last_running and asked_at is not None:
-            durations.append(t - asked_at)
-            asked_at = t if pending else None
+            windows.append((asked_at, i))
+            asked_at = i if pending else None
         last_running = running
-    return durations
+    return windows
+
+
+def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
+    """Seconds from a replica appearing as STARTING (or PENDING_*) to the RUNNING count growing:
+    each scale-up's measured start, as the poll saw it (within ``POLL_EVERY_S``)."""
+    return [changes[end][0] - changes[begin][0] for begin, end in start_windows(changes)]

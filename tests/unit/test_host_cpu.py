@@ -1,6 +1,7 @@
 """Tier 1: the shared host of the simulator-vs-cluster check (``fleetsim/host_cpu.py``): the
-contention factor's arithmetic, the plane's CPU measured from counters, the /proc readers on
-a real busy process, and simulated replicas slowed by sharing one host."""
+contention factor's arithmetic, the plane's CPU measured from counters, a start's CPU from
+process snapshots, the /proc readers on a real busy process, and simulated replicas slowed by
+sharing one host (with one another and with a replica starting)."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,10 @@ import uuid
 
 import pytest
 
-from kvserve.fleetsim.host_cpu import CpuReading, PlaneFit, SharedHost, engines_cpu_s, machine_busy_s
+from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.deployment import Deployment
+from kvserve.fleetsim.host_cpu import (CpuReading, PlaneFit, SharedHost, engines_cpu_s, machine_busy_s,
+                                       new_processes_cpu_s, process_cpu)
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.run import prepare
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
@@ -41,6 +45,43 @@ def test_the_plane_slows_with_the_engines_and_the_factor_solves_the_balance():
     s = host.factor()
     assert s > 1.0
     assert s * 2 == pytest.approx(2 * 1 + 0.1 + 0.003 * 180.0 / s)     # s·C = n·threads + b + c·R/s
+
+
+def test_a_starting_replica_loads_the_host_until_its_start_ends():
+    host = SharedHost(2, 1, NO_PLANE, start_cores=1.0)
+    host.busy("a", 90.0)
+    host.busy("b", 90.0)
+    assert host.factor() == 1.0
+    host.starting("c")
+    assert host.factor() == pytest.approx(1.5)       # (2 engines + 1 starting core) / 2 cores
+    host.start_ended("c")
+    host.start_ended("c")                            # ended twice (served after a cancel) is harmless
+    assert host.factor() == 1.0
+    assert SharedHost(2, 1, NO_PLANE).start_cores == 0.0      # no measured start: starts are free
+
+
+def test_new_processes_cpu_counts_the_newcomers_and_a_pid_that_took_a_new_command_line():
+    before = {(10, b"engine"): 50.0, (11, b"ray::IDLE"): 2.0, (12, b"raylet"): 7.0}
+    after = {(10, b"engine"): 58.0, (11, b"ray::ServeReplica"): 3.5, (12, b"raylet"): 7.4, (13, b"engine"): 4.0}
+    assert new_processes_cpu_s(before, after) == pytest.approx(1.5 + 4.0)     # not the old engine's 8 s
+    assert new_processes_cpu_s(after, after) == 0.0
+    mine = next(cpu for (pid, _), cpu in process_cpu().items() if pid == os.getpid())
+    assert mine > 0
+
+
+def test_a_deployment_tells_its_host_when_a_replica_starts_and_when_it_serves_or_is_cancelled():
+    scenario = Scenario(name="one", models=(ModelTraffic("a", "llama-3-8b"),), duration_s=60, budget_usd_month=1e6)
+    sizing = prepare(scenario).sizings[0]
+    host = SharedHost(1, 1, NO_PLANE, start_cores=0.5)
+    host.busy("x", 1.0)
+    dep = Deployment(0, sizing, ResidencyTier.HOT, RequestLog([], [], [], [], []), SchedulerReplica, host=host)
+    first, _ = dep.start_replica(0.0)
+    second, _ = dep.start_replica(0.0)
+    assert host.factor() == pytest.approx(2.0)      # 1 busy engine + 2 x 0.5 starting on 1 core
+    dep.replica_ready(first, 1.0)
+    assert host.factor() == pytest.approx(1.5)
+    dep.stop_replicas(1, 2.0)                        # the one still starting is cancelled
+    assert host.factor() == 1.0
 
 
 def test_the_plane_fit_is_the_busy_cpu_less_engines_and_background_per_token():
