@@ -6,13 +6,14 @@
    ``--router least_loaded`` (the trace's prompts share no prefix).
 3. An open-loop trace whose rate steps up, then down (``--phases``), streamed through the ingress
    (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas.
-   Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time, then a full batch)
-   measures the host as the cluster's engines see it: how much slower they step than the profile
-   and the latency the serving path adds to a first token; and, from /proc, the serving plane's
+   Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time with prompts of
+   four lengths, then a full batch) measures the host as the cluster's engines see it: how much
+   slower they decode and prefill than the profile and the latency the serving path adds to a
+   first token; and, from /proc, the serving plane's
    CPU per streamed token and the background's cores (``fleetsim/host_cpu.py``).
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
-   slowed by the probe's factor and per-sequence cost, the probe's path latency, the replica
+   slowed by the probe's factors and per-sequence cost, the probe's path latency, the replica
    start the cluster took, and the host's cores shared by the busy engines, the replicas starting
    (the cores a start kept busy, measured from /proc over the trace's starts) and the plane
    (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit without the
@@ -101,9 +102,10 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     starts = start_durations(changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
     start_cores = starting_cores(changes, snapshots)
-    fit = fit_host(probed, lambda factor, extra: simulate(probe, factor, extra)[0],
+    fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
                    one_at_a_time=len(probe) - args.max_num_seqs)
-    on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s)
+    on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
+                               prefill_slowdown=fit.prefill_slowdown)
     simulated, sim_steps = on_fit(SharedHost(host_cores(), args.threads, plane, start_cores))
     end = sum(seconds for seconds, _ in phases)
     result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
@@ -137,10 +139,11 @@ def starting_cores(changes: list, snapshots: list) -> float:
 
 
 class _Simulator:
-    """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None)``: ``log``
-    through the simulated deployment (the cluster's settings) on the hardware entry slowed by
-    ``slowdown`` and ``seq_extra_s`` (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``):
-    (the filled log, the serving replica count's steps)."""
+    """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None,
+    prefill_slowdown=None)``: ``log`` through the simulated deployment (the cluster's settings) on
+    the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``
+    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``): (the filled log, the serving
+    replica count's steps)."""
 
     def __init__(self, hw_path: str, args, settings):
         from kvserve.loader.api import default_model_path
@@ -149,17 +152,18 @@ class _Simulator:
         self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
         self.args, self.settings = args, settings
 
-    def cost(self, slowdown: float, seq_extra_s: float = 0.0):
+    def cost(self, slowdown: float, seq_extra_s: float = 0.0, prefill_slowdown: float | None = None):
         from kvserve.fleetsim.host_fit import slowed
         from kvserve.planner.dtypes import kv_dtype, weight_dtype
         from kvserve.planner.roofline import cost_model
         wdtype = dict(self.hw.calibration).get("weight_dtype", "bf16")
-        return cost_model(self.model, slowed(self.hw, slowdown, seq_extra_s), weight_dtype(wdtype), kv_dtype(wdtype), 1)
+        return cost_model(self.model, slowed(self.hw, slowdown, seq_extra_s, prefill_slowdown), weight_dtype(wdtype),
+                          kv_dtype(wdtype), 1)
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
-                 path_latency_s: float = 0.0, host=None):
+                 path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
-        cm = self.cost(slowdown, seq_extra_s)
+        cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         from kvserve.cluster.admission import fleet_slots
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
