@@ -29,6 +29,17 @@ from kvserve.router.state import ReplicaState, RouteRequest
 _NO_TOKENS = RouteRequest(())
 
 
+class _OwnDevices:
+    """The host of replicas that each have their own device (a GPU fleet): a start loads nothing
+    another replica shares."""
+
+    def starting(self, replica: str) -> None:
+        pass
+
+    def start_ended(self, replica: str) -> None:
+        pass
+
+
 class Deployment:
     """One model's replicas and queue (the module docstring)."""
 
@@ -36,7 +47,7 @@ class Deployment:
                  replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None,
                  host=None):
         self.index = index
-        self.host = host                               # a SharedHost the starts load, or None
+        self.host = host if host is not None else _OwnDevices()   # what the starts load
         self.slots = slots                             # requests on the replicas at most (None: no bound)
         self.in_flight = 0                             # requests routed and not finished
         self.sizing = sizing
@@ -82,16 +93,14 @@ class Deployment:
         ready_at = now + self.sizing.cold_start.start_s(weights_in_host_memory(self.tier))
         self.starting[name] = ready_at
         self.starts += 1
-        if self.host is not None:
-            self.host.starting(name)
+        self.host.starting(name)
         return name, ready_at
 
     def replica_ready(self, name: str, now: float) -> list[tuple[object, float]]:
         """A started replica serves: the queue drains into the fleet; (replica, next event) pairs."""
         if self.starting.pop(name, None) is None:
             return []                                    # cancelled while starting
-        if self.host is not None:
-            self.host.start_ended(name)
+        self.host.start_ended(name)
         replica = self.factory(name, self.sizing, self.log)
         replica.owner = self.index
         self.ready.append(replica)
@@ -123,8 +132,7 @@ class Deployment:
         self.account(now)
         for name in sorted(self.starting, key=self.starting.get, reverse=True)[:count]:
             del self.starting[name]
-            if self.host is not None:
-                self.host.start_ended(name)
+            self.host.start_ended(name)
             count -= 1
         for replica in sorted(self.ready, key=lambda r: (r.num_running + r.num_waiting, r.name))[:max(0, count)]:
             self.ready.remove(replica)

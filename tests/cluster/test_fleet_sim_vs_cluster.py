@@ -11,12 +11,13 @@ times, Ray's decision rhythm and the replica start the cluster took.
 Before the trace a probe through the cluster (``fleetsim/host_fit.py``: four requests one at a
 time, prompts of 64-384 tokens, then a batch of four) fits how much slower the cluster's engines
 decode and prefill than the profile, what each sequence of a step costs beyond it and the
-latency the serving path adds to a first token, and /proc gives the serving plane's CPU per streamed token (``fleetsim/host_cpu.py``); the
-simulator plays the trace with the ingress's queue, the engine's scheduler and that host, its
-cores shared by the busy engines, the replicas starting (the cores the processes of a scale-up
-kept busy, from /proc snapshots at the start's ends) and the plane. The fit is checked to be
-sane (slowdowns of at most 1.5x, at most 20 ms per sequence, a path of at most 0.2 s, the
-batch's TPOT reproduced, a plane of under 20 ms per token, a start's cores within the host's).
+latency the serving path adds to a first token, and /proc gives the serving plane's CPU per
+streamed token (``fleetsim/host_cpu.py``); the simulator plays the trace with the ingress's
+queue, the engine's scheduler and that host, its cores shared by the busy engines, the replicas
+starting (the cores the processes of a scale-up kept busy, from /proc snapshots at the start's
+ends) and the plane. The fit is checked to be sane (slowdowns of at most 1.5x, at most 20 ms
+per sequence, a path of at most 0.2 s, the batch's TPOT reproduced, a plane of under 20 ms per
+token, a start's cores within the host's).
 
 The replica count over time is held to the issue's 20% (replica-seconds, and the mean absolute
 difference of the two step functions over the mean; measured 0.99x / 0.01). TTFT p50 is held to
