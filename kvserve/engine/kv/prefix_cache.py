@@ -258,9 +258,10 @@ class PrefixCache:
             if len(dropped) < num_blocks:
                 dropped += self._evict(num_blocks - len(dropped), float("inf"), lambda node: True)
             return dropped
-        excess = self.num_protected_blocks(now) - self.max_protected_blocks
-        if len(dropped) < num_blocks and excess > 0:
-            dropped += self._evict(min(num_blocks - len(dropped), excess), float("inf"), lambda node: True)
+        if len(dropped) < num_blocks:                  # the tree walk only when grace time held some back
+            excess = self.num_protected_blocks(now) - self.max_protected_blocks
+            if excess > 0:
+                dropped += self._evict(min(num_blocks - len(dropped), excess), float("inf"), lambda node: True)
         return dropped
 
     def num_protected_blocks(self, now: float | None = None) -> int:
