@@ -7,9 +7,16 @@
    profile's step times.
 
     .venv/bin/python benchmarks/fleet_sim_validation.py [--requests 60] [--rate 1.5] [--hardware PATH]
+        [--prefix-groups G --prefix-tokens P]
 
 Prints one JSON object: measured and simulated TTFT p50 / p99 and TPOT p50 and their ratios
 (simulated / measured); the issue's bar is within 20% (ratios in [0.8, 1.2]).
+
+With ``--prefix-groups``, every prompt starts with one of G shared P-token prefixes
+(``fleetsim/prompt_ids.py``; the same ids reach the engine and the simulator) and the simulated
+replica is the engine's scheduler with its prefix cache (``SchedulerReplica(prefix_cache=True)``).
+The trace is played twice on each side, prefix cache on and off: beside the ratios, the share of
+prompt tokens the cache served and the cache's TTFT gain (p50 off / on), measured and simulated.
 """
 from __future__ import annotations
 
@@ -24,6 +31,23 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
+def measure(trace, hw, prefix_cache: bool, replica_factory) -> dict:
+    """``trace`` on the real engine (one thread, ``prefix_cache`` on or off) and through the
+    simulator (``replica_factory`` with the engine's limits): ``validate.compare``'s dict."""
+    from kvserve import LLM
+    from kvserve.fleetsim.validate import compare, run_engine_trace, simulate_trace
+    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+    from kvserve.planner.profile import model_from_engine
+    from kvserve.planner.roofline import cost_model
+    llm = LLM(num_threads=1, enable_prefix_cache=prefix_cache)
+    dtype = dict(hw.calibration).get("weight_dtype", "bf16")
+    cm = cost_model(model_from_engine(llm.engine.model_config), hw, weight_dtype(dtype), kv_dtype(dtype), 1)
+    measured = run_engine_trace(llm, trace, llm.engine.model_config.vocab_size)
+    simulated = simulate_trace(trace, cm, llm.config.max_num_seqs, llm.config.max_num_batched_tokens,
+                               llm.engine.kv_plan.max_tokens, replica_factory)
+    return compare(measured, simulated)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=60)
@@ -31,29 +55,34 @@ def main() -> None:
     parser.add_argument("--prompt", type=float, default=128.0)
     parser.add_argument("--output", type=float, default=24.0)
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
+    parser.add_argument("--prefix-groups", type=int, default=0, help="shared prefixes (0: none)")
+    parser.add_argument("--prefix-tokens", type=int, default=512, help="each shared prefix's tokens")
     args = parser.parse_args()
     hw_path = args.hardware
     if hw_path is None:
         hw_path = os.path.join(tempfile.mkdtemp(), "local.json")
         subprocess.run([sys.executable, "-m", "kvserve.cli", "profile", "--quick", "--threads", "1", "--out",
                         hw_path], check=True, stdout=subprocess.DEVNULL)
-    from kvserve import LLM
-    from kvserve.fleetsim.validate import compare, make_trace, run_engine_trace, simulate_trace
-    from kvserve.planner.dtypes import kv_dtype, weight_dtype
+    import functools
+
+    from kvserve.fleetsim.replica import BatchReplica
+    from kvserve.fleetsim.sched_replica import SchedulerReplica
+    from kvserve.fleetsim.validate import make_trace
     from kvserve.planner.hardware import load_hardware_file
-    from kvserve.planner.roofline import cost_model
-    from kvserve.planner.profile import model_from_engine
     hw = load_hardware_file(hw_path)
-    llm = LLM(num_threads=1)
-    cal = dict(hw.calibration)
-    cm = cost_model(model_from_engine(llm.engine.model_config), hw, weight_dtype(cal.get("weight_dtype", "bf16")),
-                    kv_dtype(cal.get("weight_dtype", "bf16")), 1)
-    trace = make_trace(args.requests, args.rate, args.prompt, args.output)
-    measured = run_engine_trace(llm, trace, llm.engine.model_config.vocab_size)
-    simulated = simulate_trace(trace, cm, llm.config.max_num_seqs, llm.config.max_num_batched_tokens,
-                               llm.engine.kv_plan.max_tokens)
+    trace = make_trace(args.requests, args.rate, args.prompt, args.output, prefix_groups=args.prefix_groups,
+                       prefix_tokens=args.prefix_tokens)
     result = {"requests": args.requests, "rate_per_s": args.rate, "prompt_mean": args.prompt,
-              "output_mean": args.output, "profile_rms_error": cal.get("rms_relative_error"), **compare(measured, simulated)}
+              "output_mean": args.output, "profile_rms_error": dict(hw.calibration).get("rms_relative_error")}
+    if not args.prefix_groups:       # the default engine; its prefix cache finds nothing in random prompts
+        result.update(measure(trace, hw, True, BatchReplica))
+    else:
+        on = measure(trace, hw, True, functools.partial(SchedulerReplica, prefix_cache=True))
+        off = measure(trace, hw, False, SchedulerReplica)
+        result.update(prefix_groups=args.prefix_groups, prefix_tokens=args.prefix_tokens, prefix_cache_on=on,
+                      prefix_cache_off=off, cache_ttft_gain={
+                          side: round(off[side]["p50_ttft_s"] / on[side]["p50_ttft_s"], 3)
+                          for side in ("measured", "simulated")})
     print(json.dumps(result, indent=1))
 
 

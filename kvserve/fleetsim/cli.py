@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from dataclasses import replace
+
+from kvserve.router.policies import POLICIES
 
 
 def register(subparsers) -> None:
@@ -17,6 +20,13 @@ def register(subparsers) -> None:
     p.add_argument("--plot", default=None, metavar="PNG", help="write the day's plot here")
     p.add_argument("--json", action="store_true", help="print one JSON object (without per-model detail)")
     p.add_argument("--per-model", action="store_true", help="keep per-model figures and the timeline in the JSON")
+    p.add_argument("--replica", choices=("batch", "scheduler"), default="batch",
+                   help="batch: decode runs coalesced (a day in seconds); scheduler: the engine's scheduler, "
+                        "one event per step (~100x slower: short traces)")
+    p.add_argument("--prefix-cache", action="store_true",
+                   help="the scheduler replicas get the engine's prefix cache (needs --replica scheduler)")
+    p.add_argument("--router", default="least_loaded", choices=POLICIES,
+                   help="the router's policy (kv_aware: fed the replicas' cache events; default least_loaded)")
     p.set_defaults(func=run)
 
 
@@ -29,6 +39,18 @@ def load_scenario(name: str):
         return from_json(json.load(f))
 
 
+def replica_factory(args: argparse.Namespace):
+    """The simulated replica ``--replica`` / ``--prefix-cache`` name."""
+    from kvserve.fleetsim.replica import BatchReplica
+    from kvserve.fleetsim.sched_replica import SchedulerReplica
+    if args.replica == "batch":
+        if args.prefix_cache:
+            raise SystemExit("kvserve simulate: --prefix-cache needs --replica scheduler (the batch replica has "
+                             "no prefix cache)")
+        return BatchReplica
+    return functools.partial(SchedulerReplica, prefix_cache=args.prefix_cache)
+
+
 def run(args: argparse.Namespace) -> int:
     from kvserve.fleetsim.run import simulate
     scenario = load_scenario(args.scenario)
@@ -37,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.seed is not None:
         scenario = replace(scenario, seed=args.seed)
     policies = tuple(args.policies.split(",")) if args.policies else None
-    result, arrays = simulate(scenario, policies)
+    result, arrays = simulate(scenario, policies, replica_factory(args), args.router)
     if args.plot:
         from kvserve.fleetsim.plots import plot_day
         plot_day(result, arrays, args.plot)

@@ -4,16 +4,19 @@ GPU-seconds it holds per residency tier.
 
 A request for a model with ready replicas goes where the router's policy
 (``router/policies.py``, ``least_loaded`` by default) sends it, from each replica's
-``ReplicaState``. With none ready it waits in the deployment's queue (as the cluster's
+``ReplicaState``. The prefix policies (``prefix_approx``, ``kv_aware``) read the request's
+prompt ids (``prompt_ids.py``) on the simulated clock; ``kv_aware``'s block index is fed the
+replicas' cache events (``SchedulerReplica(prefix_cache=True)``), and a replica that leaves is
+forgotten. With none ready a request waits in the deployment's queue (as the cluster's
 ``assign_wait`` does) and, if nothing is starting, a replica is started at once (scale from
 zero); a queued request older than ``max_queue_wait_s`` is answered 503 + Retry-After
-(rejected). With ``slots`` (the cluster ingress's fleet slots, ``cluster/admission.py``) at
-most that many requests are on the replicas at once: the others wait in the same queue, first
-come first served (one model has one class), and each request that finishes hands its slot to
-the head of the queue, routed then to whichever replica the policy picks. A replica costs from
-the moment it is asked for (its GPUs are held while it starts) until it has drained. With a
-``host`` (``host_cpu.SharedHost``: replicas sharing one machine's cores) the deployment tells it
-when a replica starts and when that start ends.
+(rejected). With ``slots`` (the cluster ingress's fleet slots, ``cluster/admission.py``) at most
+that many requests are on the replicas at once: the others wait in the same queue, first come
+first served (one model has one class), and each request that finishes hands its slot to the
+head of the queue, routed then to whichever replica the policy picks. A replica costs from the
+moment it is asked for (its GPUs are held while it starts) until it has drained. With a ``host``
+(``host_cpu.SharedHost``: replicas sharing one machine's cores) the deployment tells it when a
+replica starts and when that start ends.
 """
 from __future__ import annotations
 
@@ -21,9 +24,10 @@ from collections import deque
 
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.prompt_ids import prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.sizing import ReplicaSizing, weights_in_host_memory
-from kvserve.router.policies import make_policy
+from kvserve.router.policies import PrefixAware, make_policy
 from kvserve.router.state import ReplicaState, RouteRequest
 
 _NO_TOKENS = RouteRequest(())
@@ -54,7 +58,10 @@ class Deployment:
         self.tier = tier
         self.log = log
         self.factory = replica_factory
-        self.policy = make_policy(router)
+        self.now = 0.0                                 # the simulated time of the last routing
+        self.policy = make_policy(router, clock=self._clock)
+        self.reads_prompts = isinstance(self.policy, PrefixAware)
+        self.reads_cache_events = self.reads_prompts and not self.policy.learn
         self.ready: list = []
         self.starting: dict[str, float] = {}          # name -> ready time
         self.draining: list = []
@@ -67,6 +74,13 @@ class Deployment:
         self.retired_prompt_tokens = 0
         self.retired_generation_tokens = 0
         self.window_tokens = [0, 0]                    # prompt, output tokens arrived since the last retier
+
+    def _clock(self) -> float:
+        return self.now
+
+    def _cache_events(self, replica: str, events: list) -> None:
+        for event in events:
+            self.policy.index.apply(replica, event)
 
     # -- accounting -----------------------------------------------------------------------------
     @property
@@ -103,6 +117,8 @@ class Deployment:
         self.host.start_ended(name)
         replica = self.factory(name, self.sizing, self.log)
         replica.owner = self.index
+        if self.reads_cache_events:
+            replica.cache_listener = self._cache_events
         self.ready.append(replica)
         self.states[name] = ReplicaState(name, max_num_seqs=self.sizing.max_num_seqs)
         return self._admit_queued(now)
@@ -137,6 +153,8 @@ class Deployment:
         for replica in sorted(self.ready, key=lambda r: (r.num_running + r.num_waiting, r.name))[:max(0, count)]:
             self.ready.remove(replica)
             del self.states[replica.name]
+            if self.reads_prompts:
+                self.policy.index.forget(replica.name)
             self.draining.append(replica)
         self.release_drained(now)
 
@@ -163,13 +181,16 @@ class Deployment:
 
     def route(self, request: int, now: float) -> tuple[object, float | None]:
         """Place ``request`` on a ready replica by the router's policy; (replica, its next event)."""
-        if len(self.ready) == 1:
+        self.now = now
+        if len(self.ready) == 1 and not self.reads_prompts:
             replica = self.ready[0]
         else:
             for r in self.ready:
                 state = self.states[r.name]
                 state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
-            name = self.policy.choose(list(self.states.values()), _NO_TOKENS).replica
+                state.queued_tokens = r.queued_tokens
+            route = RouteRequest(tuple(prompt_token_ids(self.log, request))) if self.reads_prompts else _NO_TOKENS
+            name = self.policy.choose(list(self.states.values()), route).replica
             replica = next(r for r in self.ready if r.name == name)
         self.in_flight += 1
         return replica, replica.submit(request, now)

@@ -30,11 +30,12 @@ TIMELINE_EVERY_S = 300.0
 
 class FleetSim:
     """One policy over one scenario's requests; ``run()`` fills the log and returns the fleet's record.
-    ``host``: one ``host_cpu.SharedHost`` all deployments' replicas share (the local-cluster check)."""
+    ``host``: one ``host_cpu.SharedHost`` all deployments' replicas share (the local-cluster check);
+    ``router``: the router's policy each deployment places requests by."""
 
     def __init__(self, scenario: Scenario, policy: str, sizings: list[ReplicaSizing], log: RequestLog,
                  planned: dict[str, ResidencyTier], peak_rps: list[float], initial_rps: list[float],
-                 replica_factory=BatchReplica, host=None):
+                 replica_factory=BatchReplica, host=None, router: str = "least_loaded"):
         self.scenario, self.policy, self.log = scenario, POLICIES[policy], log
         self.planned = planned
         self.heap: list = []
@@ -42,7 +43,7 @@ class FleetSim:
         self.deployments, self.scalers = [], []
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
-            dep = Deployment(i, sizing, tier, log, replica_factory, slots=scenario.ingress_slots, host=host)
+            dep = Deployment(i, sizing, tier, log, replica_factory, router, scenario.ingress_slots, host)
             wanted = self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i])
             for _ in range(wanted):
                 name, _ready = dep.start_replica(0.0)
@@ -67,9 +68,9 @@ class FleetSim:
         minute needs (at least one), warm and cold ones with none."""
         h = self.scenario.headroom
         if self.policy.tiers == "peak":
-            return max(1, replicas_for_rate(peak_rps, sizing, model.prompt_tokens, model.output_tokens, h))
+            return max(1, replicas_for_rate(peak_rps, sizing, model.mean_prompt_len, model.output_tokens, h))
         if tier is ResidencyTier.HOT:
-            return max(1, replicas_for_rate(initial_rps, sizing, model.prompt_tokens, model.output_tokens, h))
+            return max(1, replicas_for_rate(initial_rps, sizing, model.mean_prompt_len, model.output_tokens, h))
         return 0
 
     def _push(self, t: float, kind: int, a, b) -> None:

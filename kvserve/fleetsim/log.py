@@ -11,9 +11,11 @@ PENDING, DONE, REJECTED = 0, 1, 2
 class RequestLog:
     """Requests as parallel Python lists, indexed by request id (fast scalar access in the loop);
     ``first_token_s`` / ``finish_s`` are NaN until they happen; ``status`` PENDING, DONE or
-    REJECTED (a bounded wait for a replica ran out: a 503 with Retry-After)."""
+    REJECTED (a bounded wait for a replica ran out: a 503 with Retry-After). ``prefix_group``
+    (-1: none) and ``prefix_len``: the leading prompt tokens a request shares with its group
+    (``prompt_ids.py``); ``cached_tokens``: prompt tokens a replica's prefix cache served."""
 
-    def __init__(self, arrival_s, model, klass, prompt, output):
+    def __init__(self, arrival_s, model, klass, prompt, output, prefix_group=None, prefix_len=None):
         self.arrival = [float(x) for x in arrival_s]
         self.model = [int(x) for x in model]
         self.klass = [int(x) for x in klass]
@@ -24,10 +26,14 @@ class RequestLog:
         self.finish_s = [math.nan] * n
         self.status = [PENDING] * n
         self.waited_for_start = [False] * n
+        self.prefix_group = [int(x) for x in prefix_group] if prefix_group is not None else [-1] * n
+        self.prefix_len = [int(x) for x in prefix_len] if prefix_len is not None else [0] * n
+        self.cached_tokens = [0] * n
 
     def fresh(self) -> "RequestLog":
         """The same requests with nothing happened yet (one per simulated policy or engine run)."""
-        return RequestLog(self.arrival, self.model, self.klass, self.prompt, self.output)
+        return RequestLog(self.arrival, self.model, self.klass, self.prompt, self.output, self.prefix_group,
+                          self.prefix_len)
 
     def __len__(self) -> int:
         return len(self.arrival)
@@ -56,4 +62,5 @@ class RequestLog:
             tpot = np.where(served & (output > 1), (finish - first) / np.maximum(output - 1, 1), np.nan)
         return {"arrival_s": arrival, "model": np.asarray(self.model), "klass": np.asarray(self.klass),
                 "prompt": np.asarray(self.prompt), "output": output, "status": status, "ttft_s": ttft,
-                "tpot_s": tpot, "waited_for_start": np.asarray(self.waited_for_start)}
+                "tpot_s": tpot, "waited_for_start": np.asarray(self.waited_for_start),
+                "cached_tokens": np.asarray(self.cached_tokens)}

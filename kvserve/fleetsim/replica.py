@@ -67,6 +67,11 @@ class BatchReplica:
         return len(self.waiting)
 
     @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the requests not yet admitted (no prefix cache: all of them)."""
+        return self.waiting_tokens
+
+    @property
     def kv_usage(self) -> float:
         return self.reserved / self.kv_tokens if self.kv_tokens else 0.0
 

@@ -1,7 +1,7 @@
 """What a simulated day shows: TTFT / TPOT percentiles per policy, class and model, SLO
 attainment (served within the TTFT SLO, over all requests: a rejected request is a miss),
-GPU-hours per residency tier and dollars a month (GPU-hours x the GPU's price x 730 h / the
-simulated hours)."""
+GPU-hours per residency tier, dollars a month (GPU-hours x the GPU's price x 730 h / the
+simulated hours) and the share of prompt tokens the replicas' prefix caches served."""
 from __future__ import annotations
 
 import numpy as np
@@ -47,6 +47,7 @@ def policy_report(scenario: Scenario, arr: dict, record: dict, deployments, pric
         "replica_starts": sum(d.starts for d in deployments),
         "rejected": int((arr["status"] == REJECTED).sum()),
         "waited_for_a_start": int(arr["waited_for_start"].sum()),
+        "cached_prompt_share": round(float(arr["cached_tokens"].sum() / max(1, arr["prompt"].sum())), 4),
         "classes": {c: _latency(arr, arr["klass"] == i, scenario.ttft_slo_s) for i, c in enumerate(CLASSES)},
         "models": {m.name: {**_latency(arr, arr["model"] == i, scenario.ttft_slo_s),
                             "tier_at_end": deployments[i].tier.value, "starts": deployments[i].starts}

@@ -42,15 +42,15 @@ def prepare(scenario: Scenario) -> Prepared:
     cache: dict[tuple, ReplicaSizing] = {}
     sizings = []
     for m in scenario.models:
-        key = (m.preset, m.prompt_tokens, m.output_tokens)
+        key = (m.preset, m.mean_prompt_len, m.output_tokens)
         if key not in cache:
-            cache[key] = size_replica(m.name, m.preset, hw, 1.0, m.prompt_tokens, m.output_tokens,
+            cache[key] = size_replica(m.name, m.preset, hw, 1.0, m.mean_prompt_len, m.output_tokens,
                                       scenario.ttft_slo_s, scenario.tpot_slo_s)
         sizings.append(copy.copy(cache[key]))
         object.__setattr__(sizings[-1], "model", m.name)
     question = FleetQuestion(
-        tuple(FleetModel(m.name, m.preset, float(mean[i]), float(peak[i] / max(mean[i], 1e-12)), m.prompt_tokens,
-                         m.output_tokens) for i, m in enumerate(scenario.models)),
+        tuple(FleetModel(m.name, m.preset, float(mean[i]), float(peak[i] / max(mean[i], 1e-12)),
+                         m.mean_prompt_len, m.output_tokens) for i, m in enumerate(scenario.models)),
         hw, scenario.budget_usd_month, ttft_p99_s=scenario.ttft_slo_s, tpot_s=scenario.tpot_slo_s,
         headroom=scenario.headroom, scale_down_window_s=scenario.downscale_window_s,
         host_cache_bytes=scenario.host_cache_bytes)
@@ -60,11 +60,12 @@ def prepare(scenario: Scenario) -> Prepared:
 
 
 def run_policy(scenario: Scenario, prepared: Prepared, policy: str, replica_factory=BatchReplica,
-               log=None) -> tuple[dict, dict, FleetSim]:
-    """One policy over the scenario's requests: (report, the log's arrays, the finished simulation)."""
+               log=None, router: str = "least_loaded") -> tuple[dict, dict, FleetSim]:
+    """One policy over the scenario's requests, placed by ``router``: (report, the log's arrays,
+    the finished simulation)."""
     log = log if log is not None else draw_requests(scenario)
     sim = FleetSim(scenario, policy, prepared.sizings, log, prepared.planned, prepared.peak_rps,
-                   prepared.initial_rps, replica_factory)
+                   prepared.initial_rps, replica_factory, router=router)
     record = sim.run()
     arrays = log.arrays()
     report = policy_report(scenario, arrays, record, sim.deployments, prepared.hw.price_per_hour)
@@ -72,16 +73,20 @@ def run_policy(scenario: Scenario, prepared: Prepared, policy: str, replica_fact
     return report, arrays, sim
 
 
-def simulate(scenario: Scenario, policies: tuple[str, ...] | None = None) -> tuple[dict, dict]:
-    """Every policy of the scenario: (the JSON-ready result, each policy's log arrays for plots)."""
+def simulate(scenario: Scenario, policies: tuple[str, ...] | None = None, replica_factory=BatchReplica,
+             router: str = "least_loaded") -> tuple[dict, dict]:
+    """Every policy of the scenario, each deployment's requests placed by ``router`` on replicas
+    made by ``replica_factory``: (the JSON-ready result, each policy's log arrays for plots)."""
     prepared = prepare(scenario)
     requests = draw_requests(scenario)
     results, arrays = {}, {}
     for policy in policies or scenario.policies:
-        results[policy], arrays[policy], _ = run_policy(scenario, prepared, policy, log=requests.fresh())
+        results[policy], arrays[policy], _ = run_policy(scenario, prepared, policy, replica_factory,
+                                                        requests.fresh(), router)
     out = {"scenario": scenario.name, "gpu": prepared.hw.name, "price_per_gpu_hour": prepared.hw.price_per_hour,
            "budget_usd_month": scenario.budget_usd_month, "ttft_slo_s": scenario.ttft_slo_s,
            "models": len(scenario.models), "peak_users": scenario.peak_users, "seed": scenario.seed,
+           "router": router,
            "duration_h": scenario.duration_s / 3600, "requests": int(next(iter(arrays.values()))["status"].size),
            "planned_tiers": {t.value: sum(1 for v in prepared.planned.values() if v is t) for t in ResidencyTier},
            "plan_cost_usd_month": round(prepared.plan_cost_usd_month, 2), "notes": list(scenario.notes),

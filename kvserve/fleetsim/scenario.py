@@ -21,13 +21,24 @@ CLASSES = ("chat", "code")
 
 @dataclass(frozen=True)
 class ModelTraffic:
-    """One model: its architecture preset, request shape and class (``chat`` or ``code``)."""
+    """One model: its architecture preset, request shape and class (``chat`` or ``code``).
+    With ``prefix_groups`` > 0 each request also starts with one of that many shared prefixes of
+    ``shared_prefix_tokens`` tokens (uniformly drawn; ``prompt_tokens`` is then the mean of its
+    own tokens after it): what a prefix cache and the KV-aware router reuse."""
 
     name: str
     preset: str
     prompt_tokens: float = 1024.0
     output_tokens: float = 256.0
     klass: str = "chat"
+    shared_prefix_tokens: int = 0
+    prefix_groups: int = 0
+
+    @property
+    def mean_prompt_len(self) -> float:
+        """A request's mean prompt length, shared prefix included (what the planner sizes for: it
+        counts no cache hits)."""
+        return self.prompt_tokens + (self.shared_prefix_tokens if self.prefix_groups > 0 else 0)
 
 
 @dataclass(frozen=True)

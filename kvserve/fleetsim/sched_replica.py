@@ -2,8 +2,8 @@
 
 ``SchedulerReplica`` has ``BatchReplica``'s interface but every step is planned by
 :class:`~kvserve.engine.scheduler.Scheduler` over a real :class:`KVCacheManager` and
-:class:`BlockPool` (the replica's KV pool in blocks, no prefix cache), answered with a
-synthetic ``StepResult`` (one placeholder token per sampling sequence, ``ignore_eos``), as
+:class:`BlockPool` (the replica's KV pool in blocks), answered with a synthetic
+``StepResult`` (one placeholder token per sampling sequence, ``ignore_eos``), as
 ``planner/simulate.py`` does offline; the step's time is the roofline of its shape
 (``planner/simulate.step_work``). So token budget, ``max_num_seqs``, chunked prefill,
 admission order and recompute preemption are the engine's own. One event per step makes it
@@ -11,15 +11,24 @@ admission order and recompute preemption are the engine's own. One event per ste
 (``kvserve simulate --replica scheduler``, the test that holds the two together, and the
 simulator-vs-cluster check, whose replicas share one host: ``host``, ``host_cpu.SharedHost``,
 multiplies each step's time by the host's contention factor when the step starts).
+
+``prefix_cache=True`` gives the replica the engine's :class:`PrefixCache` on the simulated clock:
+requests carry their real prompt ids (``prompt_ids.py``: a shared prefix per group), the
+scheduler admits each with its cached prefix, the step's shape holds only the tokens left to
+compute (attention still reads the whole context) and the log records each request's cached
+tokens. The cache's ``BlockStored`` / ``BlockRemoved`` events go to ``cache_listener`` (set by
+the deployment when its router reads them: ``kv_aware``) at the end of every step.
 """
 from __future__ import annotations
 
 from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.kv.manager import KVCacheManager
+from kvserve.engine.kv.prefix_cache import PrefixCache
 from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.step import SampledToken, StepResult
 from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.prompt_ids import prompt_token_ids
 from kvserve.fleetsim.replica import HeldRequests
 from kvserve.fleetsim.sizing import ReplicaSizing
 from kvserve.planner.roofline import step_time
@@ -33,15 +42,20 @@ _TOKEN = 1
 class SchedulerReplica:
     """One simulated replica driven by the engine's scheduler (the module docstring)."""
 
-    def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog, host=None):
+    def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog, host=None,
+                 prefix_cache: bool = False):
         self.name = name
         self.host = host                               # a SharedHost, or None: the replica has its own
         self.log = log
         self.cost = sizing.cost
         self.kv_tokens = sizing.kv_tokens
+        self.now = 0.0                                 # the simulated clock, as of the last event
         pool = BlockPool(max(1, sizing.kv_tokens // BLOCK_SIZE), BLOCK_SIZE)
+        cache = PrefixCache(pool, clock=self._clock) if prefix_cache else None
         self.sched = Scheduler(SchedulerConfig(sizing.max_num_seqs, sizing.max_batched_tokens),
-                               KVCacheManager(pool, prefix_cache=None), max_model_len=None)
+                               KVCacheManager(pool, prefix_cache=cache), max_model_len=None, clock=self._clock)
+        self.cache_listener = None                     # called with (name, events) after each step
+        self.queued: dict[int, int] = {}               # request -> uncached prompt tokens, until its first token
         self.plan = None                               # the step in flight
         self.first_seen: set[int] = set()
         self.prompt_tokens_total = 0
@@ -50,6 +64,15 @@ class SchedulerReplica:
         self.version = 0
         self.owner = -1
         self.held = HeldRequests()
+
+    def _clock(self) -> float:
+        return self.now
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens of the requests without a first token, past the prefix the cache held
+        when each arrived (what the router's ``queued_tokens`` counts)."""
+        return sum(self.queued.values())
 
     @property
     def num_running(self) -> int:
@@ -70,13 +93,23 @@ class SchedulerReplica:
 
     def submit(self, request: int, now: float) -> float | None:
         """Queue ``request`` with the scheduler; the next event's time if the replica was idle."""
+        self.now = now
         params = SamplingParams(max_tokens=self.log.output[request], temperature=0, ignore_eos=True)
-        self.sched.add_request(EngineRequest(str(request), [_TOKEN] * self.log.prompt[request], params))
+        kv = self.sched.kv
+        if kv.prefix_cache is None:
+            ids = [_TOKEN] * self.log.prompt[request]
+            self.queued[request] = len(ids)
+        else:
+            ids = prompt_token_ids(self.log, request)
+            cached = kv.num_cached_prompt_blocks(kv.namespace_for(None, None, True), ids) * BLOCK_SIZE
+            self.queued[request] = len(ids) - cached
+        self.sched.add_request(EngineRequest(str(request), ids, params))
         self.held.update(now, self.num_running + self.num_waiting)
         return self._step(now) if self.plan is None else None
 
     def complete(self, now: float) -> float | None:
         """The step in flight ends at ``now``: apply it and plan the next."""
+        self.now = now
         plan, self.plan = self.plan, None
         sampled = {s.seq_id: SampledToken(_TOKEN) for s in plan.scheduled if s.sample}
         for update in self.sched.update(plan, StepResult(sampled=sampled)):
@@ -84,7 +117,9 @@ class SchedulerReplica:
             self.generation_tokens_total += len(update.new_token_ids)
             if update.new_token_ids and request not in self.first_seen:
                 self.first_seen.add(request)
+                self.queued.pop(request, None)
                 self.log.first_token(request, now)
+                self.log.cached_tokens[request] = update.num_cached_tokens
             if update.finish_reason is not None:
                 self.first_seen.discard(request)
                 self.finished_total += 1
@@ -93,6 +128,14 @@ class SchedulerReplica:
         return self._step(now)
 
     def _step(self, now: float) -> float | None:
+        next_event = self._plan_step(now)
+        if self.cache_listener is not None:
+            events = self.sched.kv.drain_events()
+            if events:
+                self.cache_listener(self.name, events)
+        return next_event
+
+    def _plan_step(self, now: float) -> float | None:
         if not self.sched.has_unfinished():
             if self.host is not None:
                 self.host.idle(self.name)

@@ -7,6 +7,7 @@ import math
 import numpy as np
 
 from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.prompt_ids import with_prefix_groups
 from kvserve.fleetsim.scenario import CLASSES, HOUR, Scenario
 
 
@@ -61,5 +62,10 @@ def draw_requests(scenario: Scenario) -> RequestLog:
     prompts = np.array([m.prompt_tokens for m in scenario.models])[model]
     outputs = np.array([m.output_tokens for m in scenario.models])[model]
     klass = np.array([CLASSES.index(m.klass) for m in scenario.models])[model]
-    return RequestLog(times, model, klass, _lengths(rng, prompts, scenario.length_sigma, 8, 8192),
-                      _lengths(rng, outputs, scenario.length_sigma, 1, 4096))
+    log = RequestLog(times, model, klass, _lengths(rng, prompts, scenario.length_sigma, 8, 8192),
+                     _lengths(rng, outputs, scenario.length_sigma, 1, 4096))
+    for i, m in enumerate(scenario.models):        # drawn last: a scenario without prefixes draws as before
+        if m.prefix_groups > 0:
+            log = with_prefix_groups(log, rng, m.prefix_groups, m.shared_prefix_tokens,
+                                     np.flatnonzero(model == i).tolist())
+    return log

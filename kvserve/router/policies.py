@@ -180,17 +180,18 @@ class PrefixAware:
 
 
 def make_policy(name: str, block_size: int = 16, weights: RouterWeights | None = None,
-                max_history_blocks: int = 1 << 20):
+                max_history_blocks: int = 1 << 20, clock: Callable[[], float] = time.monotonic):
     """The policy called ``name`` (one of ``POLICIES``). ``block_size``: the engines' KV block
     size (the prefix policies hash requests by it); ``max_history_blocks``: ``prefix_approx``'s
-    bound on the blocks it remembers per replica."""
+    bound on the blocks it remembers per replica; ``clock``: the prefix policies' time for
+    their predictions (a simulator passes its own)."""
     weights = weights or RouterWeights()
     if name == "round_robin":
         return RoundRobin()
     if name == "least_loaded":
         return LeastLoaded()
     if name == "prefix_approx":
-        return PrefixAware(name, block_size, weights, BlockIndex(max_history_blocks), learn=True)
+        return PrefixAware(name, block_size, weights, BlockIndex(max_history_blocks), learn=True, clock=clock)
     if name == "kv_aware":
-        return PrefixAware(name, block_size, weights, BlockIndex(), learn=False)
+        return PrefixAware(name, block_size, weights, BlockIndex(), learn=False, clock=clock)
     raise ValueError(f"unknown router policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -1,0 +1,44 @@
+"""The token ids of a simulated request's prompt: a prefix its group shares, then its own tokens.
+
+A request of prefix group ``g`` of model ``m`` starts with that group's ``prefix_len`` tokens,
+the same for every request of the group (a system prompt, few-shot examples, the document a
+conversation is about); the rest of its prompt is its own. A request without a group (``-1``)
+shares nothing. The ids are a deterministic function of (model, group, position) and of
+(request, position), drawn in ``[FIRST_ID, vocab_size)``, so one log gives the same prompts to
+the simulator's prefix cache (``SchedulerReplica(prefix_cache=True)``), to the router's block
+hashes and to a real engine (``validate.run_engine_trace``). Two requests' own tokens share a
+16-token block with probability ~``vocab^-16``: never, in practice.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kvserve.fleetsim.log import RequestLog
+
+FIRST_ID = 100                  # clear of the special tokens at the start of a vocabulary
+DEFAULT_VOCAB = 49_152          # the default model's (SmolLM2); any size above FIRST_ID works
+_GROUP_STREAM, _OWN_STREAM = 1, 2
+
+
+def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VOCAB) -> list[int]:
+    """``request``'s prompt: its group's shared prefix, then tokens of its own."""
+    shared = log.prefix_len[request] if log.prefix_group[request] >= 0 else 0
+    own = np.random.default_rng([_OWN_STREAM, request]).integers(FIRST_ID, vocab_size, log.prompt[request] - shared)
+    if not shared:
+        return own.tolist()
+    group = np.random.default_rng([_GROUP_STREAM, log.model[request], log.prefix_group[request]])
+    return group.integers(FIRST_ID, vocab_size, shared).tolist() + own.tolist()
+
+
+def with_prefix_groups(log: RequestLog, rng: np.random.Generator, groups: int, prefix_tokens: int,
+                       requests=None) -> RequestLog:
+    """``log`` with ``requests`` (default: all) given a shared prefix of ``prefix_tokens`` tokens,
+    each of one of ``groups`` groups drawn uniformly from ``rng``: their prompts grow by it (the
+    drawn lengths are the tokens of their own)."""
+    chosen = list(range(len(log))) if requests is None else list(requests)
+    out = log.fresh()
+    for request, group in zip(chosen, rng.integers(0, groups, len(chosen)).tolist()):
+        out.prefix_group[request] = group
+        out.prefix_len[request] = prefix_tokens
+        out.prompt[request] += prefix_tokens
+    return out

@@ -1,0 +1,80 @@
+"""Tier 1: shared prefixes in the fleet simulator: the prompts' ids, the traffic that draws them,
+the scheduler replica's prefix cache (the engine's) and the KV-aware router fed its events."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvserve.fleetsim.log import DONE, RequestLog
+from kvserve.fleetsim.prompt_ids import prompt_token_ids, with_prefix_groups
+from kvserve.fleetsim.run import prepare, run_policy
+from kvserve.fleetsim.scenario import ModelTraffic, Scenario
+from kvserve.fleetsim.sched_replica import BLOCK_SIZE, SchedulerReplica
+from kvserve.fleetsim.traffic import draw_requests
+
+ONE_MODEL = Scenario(name="prefix", models=(ModelTraffic("a", "llama-3-8b", 256.0, 64.0),),
+                     peak_users=600, think_s=60, duration_s=120, diurnal_floor=1.0, budget_usd_month=1e6,
+                     policies=("always_on",))
+
+
+def test_a_group_shares_its_prefix_and_every_request_owns_the_rest():
+    log = RequestLog([0.0] * 4, [0, 0, 0, 1], [0] * 4, [300, 400, 300, 300], [8] * 4,
+                     prefix_group=[0, 0, 1, 0], prefix_len=[200, 200, 200, 200])
+    ids = [prompt_token_ids(log, r) for r in range(4)]
+    assert [len(x) for x in ids] == [300, 400, 300, 300]
+    assert ids[0][:200] == ids[1][:200] and ids[0][200] != ids[1][200]     # the group's prefix, then its own
+    assert ids[2][:BLOCK_SIZE] != ids[0][:BLOCK_SIZE]                      # another group
+    assert ids[3][:BLOCK_SIZE] != ids[0][:BLOCK_SIZE]                      # group 0 of another model
+    assert prompt_token_ids(log, 1) == ids[1] and min(min(x) for x in ids) >= 100
+    alone = RequestLog([0.0], [0], [0], [64], [8])
+    assert len(prompt_token_ids(alone, 0)) == 64
+
+
+def test_prefix_groups_lengthen_the_prompts_and_leave_the_rest_of_the_draw_alone():
+    grouped = replace(ONE_MODEL, models=(replace(ONE_MODEL.models[0], shared_prefix_tokens=512, prefix_groups=4),))
+    plain, shared = draw_requests(ONE_MODEL), draw_requests(grouped)
+    assert plain.arrival == shared.arrival and plain.output == shared.output
+    assert [p + 512 for p in plain.prompt] == shared.prompt
+    assert set(shared.prefix_group) == {0, 1, 2, 3} and set(shared.prefix_len) == {512}
+    assert grouped.models[0].mean_prompt_len == 256 + 512 and ONE_MODEL.models[0].mean_prompt_len == 256
+    some = with_prefix_groups(plain, np.random.default_rng(0), 2, 100, requests=[0])
+    assert some.prompt[0] == plain.prompt[0] + 100 and some.prefix_group[1:] == plain.prefix_group[1:]
+
+
+def _two_turns(cache: bool) -> RequestLog:
+    """Two requests of one group, the second after the first finished, on one replica."""
+    log = RequestLog([1.0, 10.0], [0, 0], [0, 0], [1000 + 37, 1000 + 37], [16, 16], [0, 0], [1000, 1000])
+    prepared = prepare(ONE_MODEL)
+    replica = functools.partial(SchedulerReplica, prefix_cache=cache)
+    run_policy(replace(ONE_MODEL, duration_s=20), prepared, "always_on", replica, log)
+    return log
+
+
+def test_the_scheduler_replica_serves_a_groups_second_request_from_its_prefix_cache():
+    cached, uncached = _two_turns(True), _two_turns(False)
+    assert cached.cached_tokens == [0, 1000 // BLOCK_SIZE * BLOCK_SIZE] and uncached.cached_tokens == [0, 0]
+    ttft = [cached.first_token_s[i] - cached.arrival[i] for i in range(2)]
+    plain_ttft = uncached.first_token_s[1] - uncached.arrival[1]
+    assert ttft[1] < 0.5 * ttft[0] and ttft[0] == pytest.approx(plain_ttft)
+
+
+def _routed(router: str) -> dict:
+    """Shared-prefix traffic on several replicas whose caches cannot each hold every group."""
+    model = replace(ONE_MODEL.models[0], shared_prefix_tokens=4096, prefix_groups=256)
+    scenario = replace(ONE_MODEL, models=(model,), peak_users=1200, duration_s=60)
+    prepared = prepare(scenario)
+    report, arrays, sim = run_policy(scenario, prepared, "always_on",
+                                     functools.partial(SchedulerReplica, prefix_cache=True), router=router)
+    assert (arrays["status"] == DONE).all()
+    return {"replicas": len(sim.deployments[0].ready), "p50": report["p50_ttft_s"],
+            "share": arrays["cached_tokens"].sum() / arrays["prompt"].sum()}
+
+
+def test_the_kv_aware_router_fed_the_replicas_cache_events_finds_the_prefixes_least_loaded_misses():
+    spread, aware, learned = _routed("least_loaded"), _routed("kv_aware"), _routed("prefix_approx")
+    assert spread["replicas"] >= 3
+    assert aware["share"] > spread["share"] + 0.2 and learned["share"] > spread["share"] + 0.1
+    assert aware["p50"] < 0.5 * spread["p50"]
