@@ -154,6 +154,7 @@ class Deployment:
             self.ready.remove(replica)
             del self.states[replica.name]
             if self.reads_prompts:
+                replica.cache_listener = None          # it drains unseen by the router
                 self.policy.index.forget(replica.name)
             self.draining.append(replica)
         self.release_drained(now)

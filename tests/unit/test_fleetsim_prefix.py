@@ -78,3 +78,25 @@ def test_the_kv_aware_router_fed_the_replicas_cache_events_finds_the_prefixes_le
     assert spread["replicas"] >= 3
     assert aware["share"] > spread["share"] + 0.2 and learned["share"] > spread["share"] + 0.1
     assert aware["p50"] < 0.5 * spread["p50"]
+
+
+def test_a_replica_that_leaves_is_forgotten_and_its_draining_events_are_not_heard():
+    from kvserve.autoscale.tiers import ResidencyTier
+    from kvserve.fleetsim.deployment import Deployment
+    log = RequestLog([0.0, 0.0], [0, 0], [0, 0], [600, 600], [64, 64], [0, 1], [512, 512])
+    dep = Deployment(0, prepare(ONE_MODEL).sizings[0], ResidencyTier.HOT, log,
+                     functools.partial(SchedulerReplica, prefix_cache=True), "kv_aware")
+    for _ in range(2):
+        name, _ready = dep.start_replica(0.0)
+        dep.replica_ready(name, 0.0)
+    events = [dep.route(r, 0.0) for r in range(2)]
+    for replica, t in events:                              # each computes its prompt's first chunk
+        replica.complete(t)
+    held = {r.name: dep.policy.index.num_blocks(r.name) for r in dep.ready}
+    assert all(count >= 512 // BLOCK_SIZE for count in held.values()), held
+    leaving = min(dep.ready, key=lambda r: r.name)
+    dep.stop_replicas(1, 1.0)
+    assert leaving in dep.draining and dep.policy.index.num_blocks(leaving.name) == 0
+    while not leaving.idle:                                # it drains: its cache events go nowhere
+        leaving.complete(leaving.now + 1.0)
+    assert dep.policy.index.num_blocks(leaving.name) == 0
