@@ -87,7 +87,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
     args = build_parser().parse_args(["cluster", "serve", *flags])
     settings = settings_from_args(args, default_model_path())
-    simulate = _Simulator(hw_path, args, settings)
+    simulate = ClusterSimulator(hw_path, args, settings)
     trace, probe = phased_trace(phases, 128.0, 24.0, seed), probe_trace(args.max_num_seqs)
     vocab = simulate.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
@@ -138,7 +138,7 @@ def starting_cores(changes: list, snapshots: list) -> float:
     return sum(cpu for cpu, _ in spans) / seconds if seconds > 0 else 0.0
 
 
-class _Simulator:
+class ClusterSimulator:
     """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None,
     prefill_slowdown=None)``: ``log`` through the simulated deployment (the cluster's settings) on
     the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``

@@ -16,6 +16,10 @@ cluster was measured to take.
 Compared (``compare_cluster``): TTFT p50 and p99 and TPOT p50 of the requests, and the serving replica count
 over time: replica-seconds over the trace and the mean absolute difference of the two step
 functions (sampled every second) over the mean count, each as simulated / measured.
+
+``simulate_fixed`` plays a trace through a fixed cluster (``--replicas N --router R``) whose
+simulated replicas have the engine's prefix cache: the shared-prefix routing check
+(``benchmarks/fleet_sim_cluster_prefix.py``).
 """
 from __future__ import annotations
 
@@ -96,6 +100,29 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     serving = sim.run()["serving"]
     log.arrival = list(trace.arrival)
     return log, [(t, counts[0]) for t, counts in serving]
+
+
+def simulate_fixed(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
+                   replicas: int, router: str, path_latency_s: float = 0.0, host: SharedHost | None = None,
+                   prefix_cache: bool = True, slots: int | None = None,
+                   queue_wait_s: float = float("inf")) -> RequestLog:
+    """The trace through ``replicas`` always-on simulated replicas of the engine's scheduler (with
+    its prefix cache when ``prefix_cache``), placed by the router's ``router`` policy, on ``host``,
+    behind the ingress's queue (``slots``, ``queue_wait_s``: as ``simulate_autoscaled``); a
+    request reaches them ``path_latency_s`` after it is sent: the filled log (a fixed cluster,
+    ``kvserve cluster serve --replicas N --router R``)."""
+    sizing = ReplicaSizing(MODEL, 1, max_num_seqs, max_batched_tokens, kv_tokens, cost, ReplicaCapacity(1.0, 1.0),
+                           0.0, ColdStartLayers(0.0, 0.0, 0.0, 0.0))
+    log = trace.fresh()
+    log.arrival = [t + path_latency_s for t in trace.arrival]
+    scenario = Scenario(name="cluster-fixed", models=(ModelTraffic(MODEL, "smollm2-135m"),),
+                        duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0, policies=("always_on",),
+                        max_queue_wait_s=queue_wait_s, ingress_slots=slots)
+    FleetSim(scenario, "always_on", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
+             functools.partial(SchedulerReplica, host=host, prefix_cache=prefix_cache), host=host, router=router,
+             initial_replicas=[replicas]).run()
+    log.arrival = list(trace.arrival)
+    return log
 
 
 def sample_steps(steps: list[tuple[float, int]], end_s: float, every_s: float = 1.0) -> np.ndarray:

@@ -31,11 +31,13 @@ TIMELINE_EVERY_S = 300.0
 class FleetSim:
     """One policy over one scenario's requests; ``run()`` fills the log and returns the fleet's record.
     ``host``: one ``host_cpu.SharedHost`` all deployments' replicas share (the local-cluster check);
-    ``router``: the router's policy each deployment places requests by."""
+    ``router``: the router's policy each deployment places requests by; ``initial_replicas``: each
+    model's replicas at the start (default: by the policy, ``_initial_replicas``)."""
 
     def __init__(self, scenario: Scenario, policy: str, sizings: list[ReplicaSizing], log: RequestLog,
                  planned: dict[str, ResidencyTier], peak_rps: list[float], initial_rps: list[float],
-                 replica_factory=BatchReplica, host=None, router: str = "least_loaded"):
+                 replica_factory=BatchReplica, host=None, router: str = "least_loaded",
+                 initial_replicas: list[int] | None = None):
         self.scenario, self.policy, self.log = scenario, POLICIES[policy], log
         self.planned = planned
         self.heap: list = []
@@ -44,7 +46,8 @@ class FleetSim:
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
             dep = Deployment(i, sizing, tier, log, replica_factory, router, scenario.ingress_slots, host)
-            wanted = self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i])
+            wanted = (initial_replicas[i] if initial_replicas is not None
+                      else self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i]))
             for _ in range(wanted):
                 name, _ready = dep.start_replica(0.0)
                 self._push(0.0, READY, i, name)

@@ -6,8 +6,10 @@ conversation is about); the rest of its prompt is its own. A request without a g
 shares nothing. The ids are a deterministic function of (model, group, position) and of
 (request, position), drawn in ``[FIRST_ID, vocab_size)``, so one log gives the same prompts to
 the simulator's prefix cache (``SchedulerReplica(prefix_cache=True)``), to the router's block
-hashes and to a real engine (``validate.run_engine_trace``). Two requests' own tokens share a
-16-token block with probability ~``vocab^-16``: never, in practice.
+hashes, to a real engine (``validate.run_engine_trace``) and to a cluster over HTTP
+(``replay.replay_trace``); a ``salt`` keeps logs played into one engine apart (a probe before a
+trace). Two requests' own tokens share a 16-token block with probability ~``vocab^-16``: never,
+in practice.
 """
 from __future__ import annotations
 
@@ -20,13 +22,15 @@ DEFAULT_VOCAB = 49_152          # the default model's (SmolLM2); any size above 
 _GROUP_STREAM, _OWN_STREAM = 1, 2
 
 
-def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VOCAB) -> list[int]:
-    """``request``'s prompt: its group's shared prefix, then tokens of its own."""
+def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VOCAB, salt: int = 0) -> list[int]:
+    """``request``'s prompt: its group's shared prefix, then tokens of its own. Logs played into
+    one engine with different ``salt`` share nothing (a probe before a trace)."""
     shared = log.prefix_len[request] if log.prefix_group[request] >= 0 else 0
-    own = np.random.default_rng([_OWN_STREAM, request]).integers(FIRST_ID, vocab_size, log.prompt[request] - shared)
+    own = np.random.default_rng([_OWN_STREAM, salt, request]).integers(FIRST_ID, vocab_size,
+                                                                       log.prompt[request] - shared)
     if not shared:
         return own.tolist()
-    group = np.random.default_rng([_GROUP_STREAM, log.model[request], log.prefix_group[request]])
+    group = np.random.default_rng([_GROUP_STREAM, salt, log.model[request], log.prefix_group[request]])
     return group.integers(FIRST_ID, vocab_size, shared).tolist() + own.tolist()
 
 

@@ -1,11 +1,13 @@
 """Play a trace into a running kvserve cluster over HTTP and watch its replica count.
 
 ``replay_trace`` sends each request of a ``RequestLog`` at its arrival time (open loop: a request
-never waits for an earlier one) to ``/v1/completions`` as a streamed completion of random prompt
-token ids (``prompt`` tokens, no prefix shared with another request) with ``max_tokens`` =
-``output`` and ``ignore_eos``, and fills a copy of the log with each request's first-token and
-finish times (seconds from the trace's start, the first chunk that carries text). A request the
-server refuses or breaks is marked rejected.
+never waits for an earlier one) to ``/v1/completions`` as a streamed completion of its prompt ids
+(``prompt_ids.prompt_token_ids``: its group's shared prefix if it has one, then tokens of its
+own; ``seed`` salts them, so a probe and a trace share nothing) with ``max_tokens`` = ``output``
+and ``ignore_eos``, and fills a copy of the log with each request's first-token and finish
+times (seconds from the trace's start, the first chunk that carries text) and the prompt tokens
+the engine's prefix cache served (the stream's ``usage``). A request the server refuses or
+breaks is marked rejected.
 
 ``watch_replicas`` polls the ingress's ``GET /cluster/status`` (Ray Serve's own view, answered by
 the ingress without touching a replica) and records the engine deployment's replicas by state
@@ -21,6 +23,7 @@ import httpx
 import numpy as np
 
 from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.prompt_ids import prompt_token_ids
 from kvserve.loadgen.sse import sse_events
 
 POLL_EVERY_S = 1.0
@@ -52,6 +55,8 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, request: int, lo
                 texts = [c.get("text") for c in event.get("choices") or []]
                 if any(texts) and np.isnan(log.first_token_s[request]):
                     log.first_token(request, time.perf_counter() - t0)
+                details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                log.cached_tokens[request] = details.get("cached_tokens", log.cached_tokens[request])
         log.finish(request, time.perf_counter() - t0)
     except httpx.HTTPError:
         log.reject(request, time.perf_counter() - t0)
@@ -62,7 +67,6 @@ async def replay_trace(base_url: str, trace: RequestLog, vocab_size: int, model:
     """Send every request of ``trace`` at its arrival time (seconds after ``t0``, a
     ``time.perf_counter`` value; now by default): the filled copy of the log, and the replica
     that answered each request (the ingress's ``x-kvserve-replica`` header)."""
-    rng = np.random.default_rng(seed)
     log, served_by = trace.fresh(), [None] * len(trace)
     url = base_url.rstrip("/") + "/v1/completions"
     t0 = time.perf_counter() if t0 is None else t0
@@ -70,7 +74,7 @@ async def replay_trace(base_url: str, trace: RequestLog, vocab_size: int, model:
     async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as client:
         tasks = []
         for request in range(len(log)):
-            ids = rng.integers(100, vocab_size - 100, log.prompt[request]).tolist()
+            ids = prompt_token_ids(log, request, vocab_size, salt=seed)
             await asyncio.sleep(max(0.0, log.arrival[request] - (time.perf_counter() - t0)))
             tasks.append(asyncio.create_task(_one(client, url, request_body(ids, log.output[request], model),
                                                   request, log, t0, served_by)))

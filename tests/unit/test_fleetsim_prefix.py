@@ -100,3 +100,23 @@ def test_a_replica_that_leaves_is_forgotten_and_its_draining_events_are_not_hear
     while not leaving.idle:                                # it drains: its cache events go nowhere
         leaving.complete(leaving.now + 1.0)
     assert dep.policy.index.num_blocks(leaving.name) == 0
+
+
+def test_a_salt_gives_a_probe_prompts_that_share_nothing_with_the_trace():
+    log = RequestLog([0.0, 0.0], [0, 0], [0, 0], [300, 300], [8, 8], [0, 0], [200, 200])
+    assert prompt_token_ids(log, 0, salt=1)[:200] == prompt_token_ids(log, 1, salt=1)[:200]
+    assert prompt_token_ids(log, 0, salt=1)[:BLOCK_SIZE] != prompt_token_ids(log, 0)[:BLOCK_SIZE]
+
+
+def test_a_fixed_simulated_cluster_routes_a_groups_requests_to_the_replica_that_holds_its_prefix():
+    """``cluster_check.simulate_fixed``: two replicas from the start, each group's requests in
+    pairs; under kv_aware every request after its group's first is served from cache, under round
+    robin the second of a pair lands on the other replica and misses until both hold the group."""
+    from kvserve.fleetsim.cluster_check import simulate_fixed
+    cost = prepare(ONE_MODEL).sizings[0].cost
+    times = [float(t) for t in range(8)]
+    log = RequestLog(times, [0] * 8, [0] * 8, [600] * 8, [4] * 8, [0, 0, 1, 1, 0, 0, 1, 1], [512] * 8)
+    aware = simulate_fixed(log, cost, 8, 2048, 100_000, 2, "kv_aware")
+    rotating = simulate_fixed(log, cost, 8, 2048, 100_000, 2, "round_robin")
+    assert aware.cached_tokens == [0, 512, 0, 512, 512, 512, 512, 512]
+    assert rotating.cached_tokens == [0, 0, 0, 0, 512, 512, 512, 512]
