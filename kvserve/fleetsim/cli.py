@@ -24,7 +24,8 @@ def register(subparsers) -> None:
                    help="batch: decode runs coalesced (a day in seconds); scheduler: the engine's scheduler, "
                         "one event per step (~100x slower: short traces)")
     p.add_argument("--prefix-cache", action="store_true",
-                   help="the scheduler replicas get the engine's prefix cache (needs --replica scheduler)")
+                   help="the replicas keep a prefix cache: the engine's own with --replica scheduler, "
+                        "one kept per prefix group with the batch replica (cached_replica.py)")
     p.add_argument("--router", default="least_loaded", choices=POLICIES,
                    help="the router's policy (kv_aware: fed the replicas' cache events; default least_loaded)")
     p.set_defaults(func=run)
@@ -41,13 +42,11 @@ def load_scenario(name: str):
 
 def replica_factory(args: argparse.Namespace):
     """The simulated replica ``--replica`` / ``--prefix-cache`` name."""
+    from kvserve.fleetsim.cached_replica import PrefixCachingReplica
     from kvserve.fleetsim.replica import BatchReplica
     from kvserve.fleetsim.sched_replica import SchedulerReplica
     if args.replica == "batch":
-        if args.prefix_cache:
-            raise SystemExit("kvserve simulate: --prefix-cache needs --replica scheduler (the batch replica has "
-                             "no prefix cache)")
-        return BatchReplica
+        return PrefixCachingReplica if args.prefix_cache else BatchReplica
     return functools.partial(SchedulerReplica, prefix_cache=args.prefix_cache)
 
 

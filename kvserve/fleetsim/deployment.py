@@ -183,6 +183,7 @@ class Deployment:
     def route(self, request: int, now: float) -> tuple[object, float | None]:
         """Place ``request`` on a ready replica by the router's policy; (replica, its next event)."""
         self.now = now
+        ids = None
         if len(self.ready) == 1 and not self.reads_prompts:
             replica = self.ready[0]
         else:
@@ -190,11 +191,12 @@ class Deployment:
                 state = self.states[r.name]
                 state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
                 state.queued_tokens = r.queued_tokens
-            route = RouteRequest(tuple(prompt_token_ids(self.log, request))) if self.reads_prompts else _NO_TOKENS
+            ids = prompt_token_ids(self.log, request) if self.reads_prompts else None
+            route = RouteRequest(tuple(ids)) if ids is not None else _NO_TOKENS
             name = self.policy.choose(list(self.states.values()), route).replica
             replica = next(r for r in self.ready if r.name == name)
         self.in_flight += 1
-        return replica, replica.submit(request, now)
+        return replica, replica.submit(request, now, ids)
 
     def expire_queue(self, now: float, max_wait_s: float) -> int:
         """Reject queued requests that waited longer than ``max_wait_s``; how many."""

@@ -34,15 +34,15 @@ def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VO
     return group.integers(FIRST_ID, vocab_size, shared).tolist() + own.tolist()
 
 
-def with_prefix_groups(log: RequestLog, rng: np.random.Generator, groups: int, prefix_tokens: int,
-                       requests=None) -> RequestLog:
-    """``log`` with ``requests`` (default: all) given a shared prefix of ``prefix_tokens`` tokens,
-    each of one of ``groups`` groups drawn uniformly from ``rng``: their prompts grow by it (the
-    drawn lengths are the tokens of their own)."""
+def add_prefix_groups(log: RequestLog, rng: np.random.Generator, groups: int, prefix_tokens: int,
+                      requests=None) -> RequestLog:
+    """Give ``requests`` of ``log`` (default: all) a shared prefix of ``prefix_tokens`` tokens, each
+    of one of ``groups`` groups drawn uniformly from ``rng``: their prompts grow by it (the drawn
+    lengths are the tokens of their own). In place (a log drawn for several grouped models is not
+    copied once per model); returns ``log``."""
     chosen = list(range(len(log))) if requests is None else list(requests)
-    out = log.fresh()
     for request, group in zip(chosen, rng.integers(0, groups, len(chosen)).tolist()):
-        out.prefix_group[request] = group
-        out.prefix_len[request] = prefix_tokens
-        out.prompt[request] += prefix_tokens
-    return out
+        log.prefix_group[request] = group
+        log.prefix_len[request] = prefix_tokens
+        log.prompt[request] += prefix_tokens
+    return log

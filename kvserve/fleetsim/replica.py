@@ -16,7 +16,8 @@ the step in flight. Each running sequence stores the step count at which it fini
 
 Differences from the engine, stated: admission reserves a request's whole prompt + output in
 the KV pool (the engine allocates per block and preempts when the pool runs out; the
-simulator never preempts), and there is no prefix cache. ``SchedulerReplica``
+simulator never preempts); a prefix cache is ``cached_replica.PrefixCachingReplica``, which
+overrides the KV accounting hooks (``_queue`` ... ``_release``). ``SchedulerReplica``
 (``sched_replica.py``) runs the engine's real scheduler step by step for short traces; a test
 holds the two within 20% on TTFT p50 / p99.
 """
@@ -48,7 +49,7 @@ class BatchReplica:
         self.steps = 0                                 # decode steps taken (every running seq gains one)
         self.ctx_sum = 0                               # tokens in the running sequences' KV
         self.reserved = 0                              # KV tokens reserved by admitted requests
-        self.waiting_tokens = 0
+        self.unanswered_tokens = 0                     # uncached prompt tokens of requests with no first token
         self.segment: tuple | None = None              # ("run", t0, dt, k) or ("step", t_end, chunks)
         self.prompt_tokens_total = 0                   # prompt tokens computed
         self.generation_tokens_total = 0
@@ -68,8 +69,9 @@ class BatchReplica:
 
     @property
     def queued_tokens(self) -> int:
-        """Prompt tokens of the requests not yet admitted (no prefix cache: all of them)."""
-        return self.waiting_tokens
+        """Uncached prompt tokens of the requests waiting or prefilling (until their first token),
+        counted when each arrived: what the engine reports to the router."""
+        return self.unanswered_tokens
 
     @property
     def kv_usage(self) -> float:
@@ -80,11 +82,12 @@ class BatchReplica:
         return self.segment is None and not self.waiting
 
     # -- events -----------------------------------------------------------------------------------
-    def submit(self, request: int, now: float) -> float | None:
+    def submit(self, request: int, now: float, prompt_ids: list[int] | None = None) -> float | None:
         """Queue ``request``; return the time of this replica's next event if it changed (it was
-        idle, or a decode run is cut for the admission), else None."""
+        idle, or a decode run is cut for the admission), else None. ``prompt_ids`` are not read:
+        this replica has no prefix cache."""
         self.waiting.append(request)
-        self.waiting_tokens += self.log.prompt[request]
+        self.unanswered_tokens += self._queue(request)
         self.held.update(now, self.num_running + self.num_waiting)
         if self.segment is None:
             return self._plan(now)
@@ -111,8 +114,32 @@ class BatchReplica:
     def _can_admit(self) -> bool:
         if not self.waiting or self.num_running >= self.max_num_seqs:
             return False
-        head = self.waiting[0]
-        return self.reserved + self.log.prompt[head] + self.log.output[head] <= self.kv_tokens
+        return self._fits(self.waiting[0])
+
+    # -- KV accounting: what a prefix cache changes (``cached_replica.py``) ------------------------
+    def _queue(self, request: int) -> int:
+        """Prompt tokens ``request`` adds to ``queued_tokens`` until its first token."""
+        return self.log.prompt[request]
+
+    def _answered(self, request: int) -> int:
+        """What ``_queue`` added for ``request`` (its first token is out)."""
+        return self.log.prompt[request]
+
+    def _fits(self, request: int) -> bool:
+        """Whether the pool has room for ``request``'s whole prompt + output."""
+        return self.reserved + self.log.prompt[request] + self.log.output[request] <= self.kv_tokens
+
+    def _admit(self, request: int) -> int:
+        """Take ``request`` off the queue and reserve its KV; the prompt tokens it starts with."""
+        self.reserved += self.log.prompt[request] + self.log.output[request]
+        return 0
+
+    def _prefilled(self, request: int) -> None:
+        """``request``'s prompt is computed (a prefix cache keeps its shared blocks)."""
+
+    def _release(self, request: int) -> None:
+        """``request`` finished: its KV goes back to the pool."""
+        self.reserved -= self.log.prompt[request] + self.log.output[request]
 
     def _plan(self, now: float) -> float | None:
         if self.prefilling or self._can_admit():
@@ -127,9 +154,7 @@ class BatchReplica:
         budget = self.max_batched_tokens - decoding
         while self._can_admit() and budget > len(self.prefilling):
             request = self.waiting.popleft()
-            self.waiting_tokens -= self.log.prompt[request]
-            self.reserved += self.log.prompt[request] + self.log.output[request]
-            self.prefilling.append([request, 0])
+            self.prefilling.append([request, self._admit(request)])
         chunks, attn, sampled = [], [], decoding
         for entry in self.prefilling:
             if budget <= 0:
@@ -168,9 +193,8 @@ class BatchReplica:
         log = self.log
         while self.finishes and self.finishes[0][0] <= self.steps:
             _, request = heapq.heappop(self.finishes)
-            size = log.prompt[request] + log.output[request]
-            self.ctx_sum -= size
-            self.reserved -= size
+            self.ctx_sum -= log.prompt[request] + log.output[request]
+            self._release(request)
             self.finished_total += 1
             log.finish(request, now)
 
@@ -186,13 +210,15 @@ class BatchReplica:
         for entry in completed:
             self.prefilling.remove(entry)
             request = entry[0]
+            self._prefilled(request)
+            self.unanswered_tokens -= self._answered(request)
             log.first_token(request, now)
             self.generation_tokens_total += 1
             output = log.output[request]
             self.ctx_sum += log.prompt[request] + 1
             if output <= 1:
                 self.ctx_sum -= log.prompt[request] + 1
-                self.reserved -= log.prompt[request] + output
+                self._release(request)
                 self.finished_total += 1
                 log.finish(request, now)
             else:

@@ -91,8 +91,9 @@ class SchedulerReplica:
     def idle(self) -> bool:
         return self.plan is None and not self.sched.has_unfinished()
 
-    def submit(self, request: int, now: float) -> float | None:
-        """Queue ``request`` with the scheduler; the next event's time if the replica was idle."""
+    def submit(self, request: int, now: float, prompt_ids: list[int] | None = None) -> float | None:
+        """Queue ``request`` with the scheduler; the next event's time if the replica was idle.
+        ``prompt_ids``: its ids if the router already made them (``prompt_ids.py``)."""
         self.now = now
         params = SamplingParams(max_tokens=self.log.output[request], temperature=0, ignore_eos=True)
         kv = self.sched.kv
@@ -100,7 +101,7 @@ class SchedulerReplica:
             ids = [_TOKEN] * self.log.prompt[request]
             self.queued[request] = len(ids)
         else:
-            ids = prompt_token_ids(self.log, request)
+            ids = prompt_ids if prompt_ids is not None else prompt_token_ids(self.log, request)
             cached = kv.num_cached_prompt_blocks(kv.namespace_for(None, None, True), ids) * BLOCK_SIZE
             self.queued[request] = len(ids) - cached
         self.sched.add_request(EngineRequest(str(request), ids, params))

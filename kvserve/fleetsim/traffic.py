@@ -7,7 +7,7 @@ import math
 import numpy as np
 
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import with_prefix_groups
+from kvserve.fleetsim.prompt_ids import add_prefix_groups
 from kvserve.fleetsim.scenario import CLASSES, HOUR, Scenario
 
 
@@ -66,6 +66,5 @@ def draw_requests(scenario: Scenario) -> RequestLog:
                      _lengths(rng, outputs, scenario.length_sigma, 1, 4096))
     for i, m in enumerate(scenario.models):        # drawn last: a scenario without prefixes draws as before
         if m.prefix_groups > 0:
-            log = with_prefix_groups(log, rng, m.prefix_groups, m.shared_prefix_tokens,
-                                     np.flatnonzero(model == i).tolist())
+            add_prefix_groups(log, rng, m.prefix_groups, m.shared_prefix_tokens, np.flatnonzero(model == i).tolist())
     return log

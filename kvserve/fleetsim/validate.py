@@ -18,7 +18,7 @@ import numpy as np
 from kvserve.autoscale.capacity import ReplicaCapacity
 from kvserve.fleetsim.fleet import FleetSim
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids, with_prefix_groups
+from kvserve.fleetsim.prompt_ids import add_prefix_groups, prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
@@ -28,10 +28,10 @@ def make_trace(num_requests: int, rate_per_s: float, prompt_mean: float, output_
                seed: int = 0, prefix_groups: int = 0, prefix_tokens: int = 0) -> RequestLog:
     """Poisson arrivals at ``rate_per_s``; log-normal lengths (sigma 0.5) around the means; with
     ``prefix_groups``, every prompt starts with one of that many shared ``prefix_tokens``-token
-    prefixes (``prompt_ids.with_prefix_groups``)."""
+    prefixes (``prompt_ids.add_prefix_groups``)."""
     rng = np.random.default_rng(seed)
     log = trace_log(rng, np.cumsum(rng.exponential(1.0 / rate_per_s, num_requests)), prompt_mean, output_mean)
-    return with_prefix_groups(log, rng, prefix_groups, prefix_tokens) if prefix_groups else log
+    return add_prefix_groups(log, rng, prefix_groups, prefix_tokens) if prefix_groups else log
 
 
 def trace_log(rng, arrivals, prompt_mean: float, output_mean: float) -> RequestLog:

@@ -1,15 +1,19 @@
 """Tier 1: shared prefixes in the fleet simulator: the prompts' ids, the traffic that draws them,
-the scheduler replica's prefix cache (the engine's) and the KV-aware router fed its events."""
+the replicas' prefix caches (the scheduler replica's is the engine's; the coalesced replica keeps
+one per group) and the KV-aware router fed their events."""
 from __future__ import annotations
 
 import functools
+import json
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
+from kvserve.fleetsim.cached_replica import PrefixCachingReplica
 from kvserve.fleetsim.log import DONE, RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids, with_prefix_groups
+from kvserve.fleetsim.prompt_ids import add_prefix_groups, prompt_token_ids
+from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.run import prepare, run_policy
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.fleetsim.sched_replica import BLOCK_SIZE, SchedulerReplica
@@ -40,41 +44,46 @@ def test_prefix_groups_lengthen_the_prompts_and_leave_the_rest_of_the_draw_alone
     assert [p + 512 for p in plain.prompt] == shared.prompt
     assert set(shared.prefix_group) == {0, 1, 2, 3} and set(shared.prefix_len) == {512}
     assert grouped.models[0].mean_prompt_len == 256 + 512 and ONE_MODEL.models[0].mean_prompt_len == 256
-    some = with_prefix_groups(plain, np.random.default_rng(0), 2, 100, requests=[0])
+    some = add_prefix_groups(plain.fresh(), np.random.default_rng(0), 2, 100, requests=[0])
     assert some.prompt[0] == plain.prompt[0] + 100 and some.prefix_group[1:] == plain.prefix_group[1:]
 
 
-def _two_turns(cache: bool) -> RequestLog:
+CACHING = {"scheduler": functools.partial(SchedulerReplica, prefix_cache=True), "batch": PrefixCachingReplica}
+PLAIN = {"scheduler": SchedulerReplica, "batch": BatchReplica}
+
+
+def _two_turns(replica) -> RequestLog:
     """Two requests of one group, the second after the first finished, on one replica."""
     log = RequestLog([1.0, 10.0], [0, 0], [0, 0], [1000 + 37, 1000 + 37], [16, 16], [0, 0], [1000, 1000])
-    prepared = prepare(ONE_MODEL)
-    replica = functools.partial(SchedulerReplica, prefix_cache=cache)
-    run_policy(replace(ONE_MODEL, duration_s=20), prepared, "always_on", replica, log)
+    run_policy(replace(ONE_MODEL, duration_s=20), prepare(ONE_MODEL), "always_on", replica, log)
     return log
 
 
-def test_the_scheduler_replica_serves_a_groups_second_request_from_its_prefix_cache():
-    cached, uncached = _two_turns(True), _two_turns(False)
+@pytest.mark.parametrize("kind", ["scheduler", "batch"])
+def test_a_replica_serves_a_groups_second_request_from_its_prefix_cache(kind):
+    cached, uncached = _two_turns(CACHING[kind]), _two_turns(PLAIN[kind])
     assert cached.cached_tokens == [0, 1000 // BLOCK_SIZE * BLOCK_SIZE] and uncached.cached_tokens == [0, 0]
     ttft = [cached.first_token_s[i] - cached.arrival[i] for i in range(2)]
     plain_ttft = uncached.first_token_s[1] - uncached.arrival[1]
     assert ttft[1] < 0.5 * ttft[0] and ttft[0] == pytest.approx(plain_ttft)
 
 
-def _routed(router: str) -> dict:
-    """Shared-prefix traffic on several replicas whose caches cannot each hold every group."""
+@functools.lru_cache(maxsize=None)
+def _routed(router: str, kind: str = "scheduler") -> dict:
+    """Shared-prefix traffic on several replicas whose caches cannot each hold every group
+    (a pure function of its arguments: each run once for the tests that read it)."""
     model = replace(ONE_MODEL.models[0], shared_prefix_tokens=4096, prefix_groups=256)
     scenario = replace(ONE_MODEL, models=(model,), peak_users=1200, duration_s=60)
     prepared = prepare(scenario)
-    report, arrays, sim = run_policy(scenario, prepared, "always_on",
-                                     functools.partial(SchedulerReplica, prefix_cache=True), router=router)
+    report, arrays, sim = run_policy(scenario, prepared, "always_on", CACHING[kind], router=router)
     assert (arrays["status"] == DONE).all()
-    return {"replicas": len(sim.deployments[0].ready), "p50": report["p50_ttft_s"],
-            "share": arrays["cached_tokens"].sum() / arrays["prompt"].sum()}
+    return {"replicas": len(sim.deployments[0].ready), "p50": report["p50_ttft_s"], "p99": report["p99_ttft_s"],
+            "tpot": report["p50_tpot_s"], "share": arrays["cached_tokens"].sum() / arrays["prompt"].sum()}
 
 
-def test_the_kv_aware_router_fed_the_replicas_cache_events_finds_the_prefixes_least_loaded_misses():
-    spread, aware, learned = _routed("least_loaded"), _routed("kv_aware"), _routed("prefix_approx")
+@pytest.mark.parametrize("kind", ["scheduler", "batch"])
+def test_the_kv_aware_router_fed_the_replicas_cache_events_finds_the_prefixes_least_loaded_misses(kind):
+    spread, aware, learned = _routed("least_loaded", kind), _routed("kv_aware", kind), _routed("prefix_approx", kind)
     assert spread["replicas"] >= 3
     assert aware["share"] > spread["share"] + 0.2 and learned["share"] > spread["share"] + 0.1
     assert aware["p50"] < 0.5 * spread["p50"]
@@ -120,3 +129,22 @@ def test_a_fixed_simulated_cluster_routes_a_groups_requests_to_the_replica_that_
     rotating = simulate_fixed(log, cost, 8, 2048, 100_000, 2, "round_robin")
     assert aware.cached_tokens == [0, 512, 0, 512, 512, 512, 512, 512]
     assert rotating.cached_tokens == [0, 0, 0, 0, 512, 512, 512, 512]
+
+
+@pytest.mark.parametrize("router", ["least_loaded", "kv_aware"])
+def test_the_coalesced_replicas_group_cache_follows_the_engines_prefix_cache(router):
+    """The same shared-prefix trace through the coalesced replica (a cache per group) and the
+    scheduler replica (the engine's cache, block by block): cached share within 0.05, TTFT p50 /
+    p99 and TPOT p50 within 20%."""
+    fast, real = _routed(router, "batch"), _routed(router, "scheduler")
+    assert fast["share"] == pytest.approx(real["share"], abs=0.05), (fast, real)
+    for key in ("p50", "p99", "tpot"):
+        assert fast[key] == pytest.approx(real[key], rel=0.2), (key, fast, real)
+
+
+def test_the_command_runs_the_prefix_scenario_on_coalesced_replicas_with_their_cache(capsys):
+    from kvserve.cli import main
+    assert main(["simulate", "--scenario", "examples/fleet_prefix_scenario.json", "--hours", "0.01",
+                 "--prefix-cache", "--router", "kv_aware", "--json"]) == 0
+    policy = json.loads(capsys.readouterr().out)["policies"]["always_on"]
+    assert policy["cached_prompt_share"] > 0.5

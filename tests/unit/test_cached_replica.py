@@ -1,0 +1,84 @@
+"""Tier 1: the coalesced replica's prefix cache per group (``fleetsim/cached_replica.py``): LRU
+eviction of what no running request reads (groups, finished requests' own blocks), the pool's
+accounting, the events a router hears.
+Its agreement with the engine's cache is in test_fleetsim_prefix.py."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace
+from kvserve.fleetsim.cached_replica import BLOCK_SIZE, GroupCache, PrefixCachingReplica
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.prompt_ids import prompt_token_ids
+from kvserve.fleetsim.run import prepare
+from kvserve.fleetsim.scenario import ModelTraffic, Scenario
+from kvserve.router.index import request_block_hashes
+
+SCENARIO = Scenario(name="cache", models=(ModelTraffic("a", "llama-3-8b", 256.0, 64.0),), peak_users=10,
+                    think_s=60, duration_s=60, budget_usd_month=1e6, policies=("always_on",))
+
+
+def test_eviction_takes_unread_groups_least_recently_used_first():
+    cache = GroupCache()
+    for group in range(3):
+        cache.insert(group, 100)                  # each read by the request that computed it
+    cache.release(0)
+    cache.release(2)
+    cache.acquire(0)
+    cache.release(0)                              # 0 used after 2: 2 is the least recently used
+    assert (cache.held_tokens, cache.pinned_tokens) == (300, 100)
+    assert cache.evictable_tokens(keep=2) == 100 and cache.evictable_tokens(keep=1) == 200
+    assert cache.evict(50) == [2]
+    assert cache.evict(1000) == [0]               # group 1 is read: never evicted
+    assert 1 in cache and cache.held_tokens == cache.pinned_tokens == 100
+
+
+def _run(replica: PrefixCachingReplica, log: RequestLog) -> None:
+    """Feed ``log``'s requests at their arrival times and run the replica until it is idle,
+    checking the pool's accounting at every event."""
+    pending = sorted(range(len(log)), key=lambda r: log.arrival[r])
+    next_event = None
+    while pending or next_event is not None:
+        if pending and (next_event is None or log.arrival[pending[0]] <= next_event):
+            request = pending.pop(0)
+            submitted = replica.submit(request, log.arrival[request])
+            next_event = submitted if submitted is not None else next_event
+        else:
+            next_event = replica.complete(next_event)
+        assert 0 <= replica.reserved and replica.reserved + replica.cache.held_tokens <= replica.kv_tokens
+
+
+def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():
+    """Four groups of 1,024-token prefixes through a pool that holds about two with the running
+    requests: groups come and go, the events name exactly the blocks a real engine would hash,
+    and at the end every reservation is returned."""
+    sizing = replace(prepare(SCENARIO).sizings[0], kv_tokens=4096, max_num_seqs=2)
+    groups = [0, 1, 2, 3, 0, 1, 2, 3, 0, 0]
+    log = RequestLog([float(i) for i in range(10)], [0] * 10, [0] * 10, [1024 + 40] * 10, [8] * 10,
+                     groups, [1024] * 10)
+    replica = PrefixCachingReplica("r", sizing, log)
+    heard: dict[int, int] = {}                    # block hash -> times stored minus times removed
+    events = []
+
+    def listen(name, batch):
+        assert name == "r"
+        for event in batch:
+            events.append(event)
+            for h in event.block_hashes:
+                heard[h] = heard.get(h, 0) + (1 if isinstance(event, BlockStored) else -1)
+
+    replica.cache_listener = listen
+    _run(replica, log)
+    assert all(log.first_token_s[r] <= log.finish_s[r] for r in range(10))
+    assert any(isinstance(e, BlockRemoved) for e in events)                 # the pool was too small for all
+    assert log.cached_tokens[-1] == 1024 and log.cached_tokens[:4] == [0, 0, 0, 0]
+    held = {h for h, n in heard.items() if n == 1}
+    assert set(heard.values()) <= {0, 1}
+    expected = set()
+    for group in (key for key in replica.cache.groups if key >= 0):       # < 0: requests' own blocks
+        request = groups.index(group)
+        expected |= set(request_block_hashes(prompt_token_ids(log, request)[:1024], CacheNamespace(), BLOCK_SIZE))
+    assert held == expected
+    assert replica.reserved == 0 and replica.cache.pinned_tokens == 0 and replica.queued_tokens == 0
+    own = {key: tokens for key, (tokens, _) in replica.cache.groups.items() if key < 0}
+    assert own and all(tokens == (1024 + 40 + 8 - 1) // BLOCK_SIZE * BLOCK_SIZE - 1024 for tokens in own.values())
