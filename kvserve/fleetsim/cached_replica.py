@@ -1,33 +1,36 @@
-"""The coalesced replica with a prefix cache kept per prefix group.
+"""The coalesced replica with a prefix cache kept per prefix group and per conversation.
 
 ``PrefixCachingReplica`` is ``BatchReplica`` (decode runs coalesced, a day of a fleet in
-seconds) whose KV pool also holds the shared prefixes of prefix groups (``prompt_ids.py``): a
-group's prefix, its whole blocks, enters the cache when the first request of the group that
-missed it has computed its prompt; a later request of the group that is admitted while it is
-there starts its prefill after those blocks (the log records them as its cached tokens) and
-reserves only the rest of its prompt and its output. A group in the cache costs its blocks once,
-whatever the number of its requests running; a group no running request reads is evictable,
-least recently used first, when an admission needs the room.
+seconds) whose KV pool also caches what the engine's ``PrefixCache`` would, at the grain of an
+entry rather than a block. A group's shared prefix (``prompt_ids.py``), its whole blocks, enters
+when the first request of the group that missed it has computed its prompt. A finished request's
+full blocks after that prefix (prompt and output, as the engine commits them: the last output
+token's KV is never computed) are its conversation's history: one entry per conversation, grown
+by each turn (``conversations.py``). A request admitted while its group's prefix and its
+conversation's history are there starts its prefill after them (the log records them as its
+cached tokens) and reserves only the rest of its prompt and its output; the history counts only
+behind its group's prefix, as in the engine's radix tree. An entry costs its blocks once,
+whatever the number of requests reading it; an admission that needs the room evicts entries no
+running request reads, least recently used first.
 
-So it keeps what the engine's ``PrefixCache`` does at the grain of a group rather than a block,
-and the differences are stated: a request's own blocks are not kept (two requests' own tokens
-never share a block: ``prompt_ids.py``); a group enters the cache when a prompt completes, not
-block by block as chunks are computed (a request that arrives during the first one's prefill
-misses it entirely, where the engine gives it the blocks computed so far); eviction takes a
-group's prefix whole, not its last blocks first. ``SchedulerReplica(prefix_cache=True)`` runs the
-engine's real cache step by step: a test holds the two together on cached share and TTFT.
+The differences from the engine, stated: a group enters whole when a prompt completes (the engine
+gives a request that arrives during the first one's prefill the blocks computed so far); an entry
+leaves whole (the engine evicts a leaf block at a time). ``SchedulerReplica(prefix_cache=True)``
+runs the engine's real cache step by step: tests hold the two together on cached share and TTFT
+with shared prefixes and with conversations.
 
-When the deployment's router reads cache events (``kv_aware``), ``cache_listener`` hears a
-group's ``BlockStored`` when it enters and its ``BlockRemoved`` when it is evicted, with the
-block hashes a real engine would publish for those tokens.
+When the deployment's router reads cache events (``kv_aware``), ``cache_listener`` hears each
+entry's ``BlockStored`` when it enters or grows and its ``BlockRemoved`` when it is evicted, with
+the block hashes a real engine would publish for those tokens.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 
 from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace
+from kvserve.fleetsim.conversations import conversation_of
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids
+from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.sizing import ReplicaSizing
 from kvserve.router.index import request_block_hashes
@@ -52,11 +55,14 @@ class GroupCache:
         entry = self.groups.get(group)
         return entry[0] if entry is not None else 0
 
-    def evictable_tokens(self, keep: int) -> int:
-        """Tokens eviction could free, ``keep``'s group left alone."""
+    def evictable_tokens(self, keep=()) -> int:
+        """Tokens eviction could free, the entries ``keep`` left alone."""
         spare = self.held_tokens - self.pinned_tokens
-        entry = self.groups.get(keep)
-        return spare - entry[0] if entry is not None and entry[1] == 0 else spare
+        for key in keep:
+            entry = self.groups.get(key)
+            if entry is not None and entry[1] == 0:
+                spare -= entry[0]
+        return spare
 
     def insert(self, group: int, tokens: int) -> None:
         """``group``'s prefix is resident, read by the request that computed it."""
@@ -78,10 +84,17 @@ class GroupCache:
         if entry[1] == 0:
             self.pinned_tokens -= entry[0]
 
-    def keep(self, key: int, tokens: int) -> None:
-        """Blocks no request reads enter the cache, most recently used (a finished request's own)."""
-        self.groups[key] = [tokens, 0]
-        self.held_tokens += tokens
+    def put(self, key: int, tokens: int) -> None:
+        """``key`` holds ``tokens`` now, most recently used (a conversation's history, grown or
+        new; requests still reading it keep reading it)."""
+        entry = self.groups.get(key)
+        if entry is None:
+            self.groups[key] = entry = [0, 0]
+        self.held_tokens += tokens - entry[0]
+        if entry[1]:
+            self.pinned_tokens += tokens - entry[0]
+        entry[0] = tokens
+        self.groups.move_to_end(key)
 
     def evict(self, tokens: int) -> list[int]:
         """Evict unread entries, least recently used first, until ``tokens`` are freed; the
@@ -99,15 +112,16 @@ class GroupCache:
 
 
 class PrefixCachingReplica(BatchReplica):
-    """``BatchReplica`` with a prefix cache per prefix group (the module docstring)."""
+    """``BatchReplica`` with a prefix cache per prefix group and conversation (the module
+    docstring)."""
 
     def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog, block_size: int = BLOCK_SIZE):
         super().__init__(name, sizing, log)
         self.block_size = block_size
         self.cache = GroupCache()
-        self.reads: dict[int, tuple[int, int]] = {}     # running request -> (group, cached tokens it reads)
+        self.reads: dict[int, list[tuple[int, int]]] = {}   # running request -> [(key, cached tokens it reads)]
         self.queued: dict[int, int] = {}                # request -> uncached prompt tokens, until its first token
-        self.hashes: dict[int, list[int]] = {}          # group -> its prefix's block hashes (for events)
+        self.hashes: dict[int, list[int]] = {}          # key -> its blocks' hashes (for events)
         self.cache_listener = None                      # called with (name, events); set by the deployment
 
     @property
@@ -123,9 +137,28 @@ class PrefixCachingReplica(BatchReplica):
         bs = self.block_size
         return min(log.prefix_len[request] // bs, (log.prompt[request] - 1) // bs) * bs
 
+    def _hits(self, request: int) -> list[tuple[int, int]]:
+        """The cached entries ``request``'s prompt starts with, (key, tokens): its group's prefix,
+        then its conversation's history, which is reached only through the group's blocks (the
+        engine's radix tree never holds a block without its parent)."""
+        log, hits = self.log, []
+        group_part = self._shareable(request)
+        if group_part:
+            group = log.prefix_group[request]
+            tokens = min(self.cache.tokens(group), group_part)
+            if tokens < group_part:
+                return [(group, tokens)] if tokens else []
+            hits.append((group, tokens))
+        if log.parent[request] >= 0:
+            key = _history_key(log, request)
+            limit = (log.prompt[request] - 1) // self.block_size * self.block_size - group_part
+            tokens = min(self.cache.tokens(key), limit)
+            if tokens > 0:
+                hits.append((key, tokens))
+        return hits
+
     def _hit(self, request: int) -> int:
-        group = self.log.prefix_group[request]
-        return min(self.cache.tokens(group), self._shareable(request)) if group >= 0 else 0
+        return sum(tokens for _, tokens in self._hits(request))
 
     def _queue(self, request: int) -> int:
         self.queued[request] = uncached = self.log.prompt[request] - self._hit(request)
@@ -135,30 +168,32 @@ class PrefixCachingReplica(BatchReplica):
         return self.queued.pop(request)
 
     def _fits(self, request: int) -> bool:
-        need = self.log.prompt[request] + self.log.output[request] - self._hit(request)
+        hits = self._hits(request)
+        need = self.log.prompt[request] + self.log.output[request] - sum(tokens for _, tokens in hits)
         spare = self.kv_tokens - self.reserved - self.cache.held_tokens
-        return need <= spare + self.cache.evictable_tokens(self.log.prefix_group[request])
+        return need <= spare + self.cache.evictable_tokens([key for key, _ in hits])
 
     def _admit(self, request: int) -> int:
-        log, group = self.log, self.log.prefix_group[request]
-        hit = self._hit(request)
-        if hit:
-            self.cache.acquire(group)
-            self.reads[request] = (group, hit)
+        log, hits = self.log, self._hits(request)
+        for key, _ in hits:
+            self.cache.acquire(key)
+        hit = sum(tokens for _, tokens in hits)
+        self.reads[request] = hits
         need = log.prompt[request] + log.output[request] - hit
         over = self.reserved + self.cache.held_tokens + need - self.kv_tokens
         if over > 0:
-            self._announce([BlockRemoved(self.hashes.pop(g, [])) for g in self.cache.evict(over)])
+            self._announce([BlockRemoved(self.hashes.pop(key, [])) for key in self.cache.evict(over)])
         self.reserved += need
         log.cached_tokens[request] = hit
         return hit
 
     def _prefilled(self, request: int) -> None:
+        """A missed group's prefix enters the cache, its blocks moved from the request."""
         group, tokens = self.log.prefix_group[request], self._shareable(request)
-        if request in self.reads or tokens == 0 or group in self.cache:
+        if tokens == 0 or group in self.cache:
             return
-        self.cache.insert(group, tokens)                # its blocks move from the request to the cache
-        self.reads[request] = (group, tokens)
+        self.cache.insert(group, tokens)
+        self.reads[request].append((group, tokens))
         self.reserved -= tokens
         if self.cache_listener is not None:
             ids = prompt_token_ids(self.log, request)[:tokens]
@@ -166,19 +201,38 @@ class PrefixCachingReplica(BatchReplica):
             self._announce([BlockStored(hashes, None, ids, self.block_size, None)])
 
     def _release(self, request: int) -> None:
-        """Its group read no more; the full blocks of its own tokens (prompt and output, as the
-        engine commits them) stay cached, unread, until evicted."""
-        log, shared = self.log, self.reads.pop(request, None)
+        """What it read is read no more; the full blocks of its tokens after the group's prefix
+        (prompt and output, as the engine commits them) stay cached as its conversation's
+        history, unread until a next turn, evictable."""
+        log, hits = self.log, self.reads.pop(request)
         size = log.prompt[request] + log.output[request]
-        if shared is None:
-            self.reserved -= size
-        else:
-            self.cache.release(shared[0])
-            self.reserved -= size - shared[1]
-        own = (size - 1) // self.block_size * self.block_size - self._shareable(request)
-        if own > 0:
-            self.cache.keep(-2 - request, own)
+        self.reserved -= size - sum(tokens for _, tokens in hits)
+        for key, _ in hits:
+            self.cache.release(key)
+        group_part = self._shareable(request)
+        history = (size - 1) // self.block_size * self.block_size - group_part
+        if history > 0:
+            key = _history_key(log, request)
+            self.cache.put(key, history)
+            if self.cache_listener is not None:
+                self._announce_history(request, key, group_part, history)
+
+    def _announce_history(self, request: int, key: int, group_part: int, history: int) -> None:
+        ids = prompt_token_ids(self.log, request) + [REPLY_ID] * (self.log.output[request] - 1)
+        hashes = request_block_hashes(ids[:group_part + history], CacheNamespace(), self.block_size)
+        hashes = hashes[group_part // self.block_size:]
+        old = set(self.hashes.get(key, ()))
+        self.hashes[key] = hashes
+        stored = [h for h in hashes if h not in old]
+        gone = old.difference(hashes)
+        self._announce(([BlockRemoved(list(gone))] if gone else []) +
+                       [BlockStored(stored, None, [], self.block_size, None)])
 
     def _announce(self, events: list) -> None:
         if events and self.cache_listener is not None:
             self.cache_listener(self.name, [e for e in events if e.block_hashes])
+
+
+def _history_key(log: RequestLog, request: int) -> int:
+    """The cache key of ``request``'s conversation's history (negative: groups are >= 0)."""
+    return -2 - conversation_of(log, request)

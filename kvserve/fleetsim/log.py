@@ -13,9 +13,11 @@ class RequestLog:
     ``first_token_s`` / ``finish_s`` are NaN until they happen; ``status`` PENDING, DONE or
     REJECTED (a bounded wait for a replica ran out: a 503 with Retry-After). ``prefix_group``
     (-1: none) and ``prefix_len``: the leading prompt tokens a request shares with its group
-    (``prompt_ids.py``); ``cached_tokens``: prompt tokens a replica's prefix cache served."""
+    (``prompt_ids.py``); ``parent``: the conversation's previous turn, whose prompt and output
+    this prompt starts with (-1: none; ``conversations.py``); ``cached_tokens``: prompt tokens a
+    replica's prefix cache served."""
 
-    def __init__(self, arrival_s, model, klass, prompt, output, prefix_group=None, prefix_len=None):
+    def __init__(self, arrival_s, model, klass, prompt, output, prefix_group=None, prefix_len=None, parent=None):
         self.arrival = [float(x) for x in arrival_s]
         self.model = [int(x) for x in model]
         self.klass = [int(x) for x in klass]
@@ -28,12 +30,13 @@ class RequestLog:
         self.waited_for_start = [False] * n
         self.prefix_group = [int(x) for x in prefix_group] if prefix_group is not None else [-1] * n
         self.prefix_len = [int(x) for x in prefix_len] if prefix_len is not None else [0] * n
+        self.parent = [int(x) for x in parent] if parent is not None else [-1] * n
         self.cached_tokens = [0] * n
 
     def fresh(self) -> "RequestLog":
         """The same requests with nothing happened yet (one per simulated policy or engine run)."""
         return RequestLog(self.arrival, self.model, self.klass, self.prompt, self.output, self.prefix_group,
-                          self.prefix_len)
+                          self.prefix_len, self.parent)
 
     def __len__(self) -> int:
         return len(self.arrival)

@@ -5,11 +5,13 @@ the same for every request of the group (a system prompt, few-shot examples, the
 conversation is about); the rest of its prompt is its own. A request without a group (``-1``)
 shares nothing. The ids are a deterministic function of (model, group, position) and of
 (request, position), drawn in ``[FIRST_ID, vocab_size)``, so one log gives the same prompts to
-the simulator's prefix cache (``SchedulerReplica(prefix_cache=True)``), to the router's block
-hashes, to a real engine (``validate.run_engine_trace``) and to a cluster over HTTP
-(``replay.replay_trace``); a ``salt`` keeps logs played into one engine apart (a probe before a
+the simulator's prefix caches (``SchedulerReplica(prefix_cache=True)``, ``PrefixCachingReplica``),
+to the router's block hashes, to a real engine (``validate.run_engine_trace``) and to a cluster
+over HTTP (``replay.replay_trace``); a ``salt`` keeps logs played into one engine apart (a probe before a
 trace). Two requests' own tokens share a 16-token block with probability ~``vocab^-16``: never,
-in practice.
+in practice. A later turn of a conversation (``log.parent``) starts with its previous turn's
+prompt and output, the output as the simulated replicas sample it (``REPLY_ID``, one id for every
+token), so the blocks a replica committed for the previous turn are the next one's prefix.
 """
 from __future__ import annotations
 
@@ -18,20 +20,29 @@ import numpy as np
 from kvserve.fleetsim.log import RequestLog
 
 FIRST_ID = 100                  # clear of the special tokens at the start of a vocabulary
+REPLY_ID = 1                    # every simulated output token (what SchedulerReplica samples)
 DEFAULT_VOCAB = 49_152          # the default model's (SmolLM2); any size above FIRST_ID works
 _GROUP_STREAM, _OWN_STREAM = 1, 2
 
 
 def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VOCAB, salt: int = 0) -> list[int]:
-    """``request``'s prompt: its group's shared prefix, then tokens of its own. Logs played into
-    one engine with different ``salt`` share nothing (a probe before a trace)."""
-    shared = log.prefix_len[request] if log.prefix_group[request] >= 0 else 0
-    own = np.random.default_rng([_OWN_STREAM, salt, request]).integers(FIRST_ID, vocab_size,
-                                                                       log.prompt[request] - shared)
-    if not shared:
-        return own.tolist()
-    group = np.random.default_rng([_GROUP_STREAM, salt, log.model[request], log.prefix_group[request]])
-    return group.integers(FIRST_ID, vocab_size, shared).tolist() + own.tolist()
+    """``request``'s prompt: its group's shared prefix, then tokens of its own; a later turn of a
+    conversation starts with the previous turn's prompt and its output (``REPLY_ID`` tokens).
+    Logs played into one engine with different ``salt`` share nothing (a probe before a trace)."""
+    turns = [request]
+    while log.parent[turns[-1]] >= 0:
+        turns.append(log.parent[turns[-1]])
+    first = turns[-1]
+    ids: list[int] = []
+    if log.prefix_group[first] >= 0:
+        group = np.random.default_rng([_GROUP_STREAM, salt, log.model[first], log.prefix_group[first]])
+        ids = group.integers(FIRST_ID, vocab_size, log.prefix_len[first]).tolist()
+    for turn in reversed(turns):
+        if turn != first:
+            ids += [REPLY_ID] * log.output[log.parent[turn]]
+        own = np.random.default_rng([_OWN_STREAM, salt, turn]).integers(FIRST_ID, vocab_size, log.prompt[turn] - len(ids))
+        ids += own.tolist()
+    return ids
 
 
 def add_prefix_groups(log: RequestLog, rng: np.random.Generator, groups: int, prefix_tokens: int,

@@ -24,7 +24,10 @@ class ModelTraffic:
     """One model: its architecture preset, request shape and class (``chat`` or ``code``).
     With ``prefix_groups`` > 0 each request also starts with one of that many shared prefixes of
     ``shared_prefix_tokens`` tokens (uniformly drawn; ``prompt_tokens`` is then the mean of its
-    own tokens after it): what a prefix cache and the KV-aware router reuse."""
+    own tokens after it): what a prefix cache and the KV-aware router reuse. With ``turns`` > 1
+    requests are turns of conversations, ``turns`` on average, a turn at least
+    ``turn_gap_s`` after the previous one (``conversations.py``): a later turn's prompt is the
+    previous prompt, its answer and ``prompt_tokens`` of new message."""
 
     name: str
     preset: str
@@ -33,12 +36,16 @@ class ModelTraffic:
     klass: str = "chat"
     shared_prefix_tokens: int = 0
     prefix_groups: int = 0
+    turns: float = 1.0
+    turn_gap_s: float = 60.0
 
     @property
     def mean_prompt_len(self) -> float:
-        """A request's mean prompt length, shared prefix included (what the planner sizes for: it
-        counts no cache hits)."""
-        return self.prompt_tokens + (self.shared_prefix_tokens if self.prefix_groups > 0 else 0)
+        """A request's mean prompt length, shared prefix and conversation history included (what
+        the planner sizes for: it counts no cache hits). A request is on average ``turns - 1``
+        exchanges into its conversation (geometric turn counts; the history cap ignored)."""
+        shared = self.shared_prefix_tokens if self.prefix_groups > 0 else 0
+        return self.prompt_tokens + shared + (self.turns - 1.0) * (self.prompt_tokens + self.output_tokens)
 
 
 @dataclass(frozen=True)

@@ -28,7 +28,7 @@ from kvserve.engine.request import EngineRequest
 from kvserve.engine.scheduler import Scheduler, SchedulerConfig
 from kvserve.engine.step import SampledToken, StepResult
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids
+from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.replica import HeldRequests
 from kvserve.fleetsim.sizing import ReplicaSizing
 from kvserve.planner.roofline import step_time
@@ -36,7 +36,7 @@ from kvserve.planner.simulate import StepShape, step_work
 from kvserve.sampling.params import SamplingParams
 
 BLOCK_SIZE = 16
-_TOKEN = 1
+_TOKEN = REPLY_ID               # every sampled token: a conversation's next turn starts with them
 
 
 class SchedulerReplica:

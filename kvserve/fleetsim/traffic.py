@@ -6,6 +6,7 @@ import math
 
 import numpy as np
 
+from kvserve.fleetsim.conversations import add_conversations
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import add_prefix_groups
 from kvserve.fleetsim.scenario import CLASSES, HOUR, Scenario
@@ -67,4 +68,7 @@ def draw_requests(scenario: Scenario) -> RequestLog:
     for i, m in enumerate(scenario.models):        # drawn last: a scenario without prefixes draws as before
         if m.prefix_groups > 0:
             add_prefix_groups(log, rng, m.prefix_groups, m.shared_prefix_tokens, np.flatnonzero(model == i).tolist())
+    for i, m in enumerate(scenario.models):        # then conversations, likewise
+        if m.turns > 1.0:
+            add_conversations(log, rng, m.turns, m.turn_gap_s, np.flatnonzero(model == i).tolist())
     return log

@@ -9,7 +9,7 @@ from dataclasses import replace
 from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace
 from kvserve.fleetsim.cached_replica import BLOCK_SIZE, GroupCache, PrefixCachingReplica
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids
+from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.run import prepare
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.router.index import request_block_hashes
@@ -27,7 +27,7 @@ def test_eviction_takes_unread_groups_least_recently_used_first():
     cache.acquire(0)
     cache.release(0)                              # 0 used after 2: 2 is the least recently used
     assert (cache.held_tokens, cache.pinned_tokens) == (300, 100)
-    assert cache.evictable_tokens(keep=2) == 100 and cache.evictable_tokens(keep=1) == 200
+    assert cache.evictable_tokens([2]) == 100 and cache.evictable_tokens([1]) == 200 == cache.evictable_tokens()
     assert cache.evict(50) == [2]
     assert cache.evict(1000) == [0]               # group 1 is read: never evicted
     assert 1 in cache and cache.held_tokens == cache.pinned_tokens == 100
@@ -75,9 +75,14 @@ def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():
     held = {h for h, n in heard.items() if n == 1}
     assert set(heard.values()) <= {0, 1}
     expected = set()
-    for group in (key for key in replica.cache.groups if key >= 0):       # < 0: requests' own blocks
-        request = groups.index(group)
-        expected |= set(request_block_hashes(prompt_token_ids(log, request)[:1024], CacheNamespace(), BLOCK_SIZE))
+    for key, (tokens, _) in replica.cache.groups.items():
+        if key >= 0:                              # a group's prefix
+            ids = prompt_token_ids(log, groups.index(key))[:tokens]
+            expected |= set(request_block_hashes(ids, CacheNamespace(), BLOCK_SIZE))
+        else:                                     # a finished request's blocks after its group's prefix
+            request = -2 - key
+            ids = prompt_token_ids(log, request) + [REPLY_ID] * (log.output[request] - 1)
+            expected |= set(request_block_hashes(ids[:1024 + tokens], CacheNamespace(), BLOCK_SIZE)[1024 // BLOCK_SIZE:])
     assert held == expected
     assert replica.reserved == 0 and replica.cache.pinned_tokens == 0 and replica.queued_tokens == 0
     own = {key: tokens for key, (tokens, _) in replica.cache.groups.items() if key < 0}

@@ -1,0 +1,83 @@
+"""Tier 1: multi-turn conversations in the fleet simulator (``fleetsim/conversations.py``): how
+turns are drawn, their prompt ids, a next turn served from the replica that ran the last one
+(both replicas), and the coalesced replica against the engine's cache on a day of conversations."""
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from kvserve.fleetsim.cached_replica import PrefixCachingReplica
+from kvserve.fleetsim.cli import load_scenario
+from kvserve.fleetsim.conversations import add_conversations, conversation_of
+from kvserve.fleetsim.log import DONE, RequestLog
+from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
+from kvserve.fleetsim.run import prepare, run_policy
+from kvserve.fleetsim.sched_replica import BLOCK_SIZE, SchedulerReplica
+from kvserve.fleetsim.traffic import draw_requests
+
+CHAT = load_scenario("examples/fleet_chat_scenario.json")
+CACHING = {"scheduler": functools.partial(SchedulerReplica, prefix_cache=True), "batch": PrefixCachingReplica}
+
+
+def test_a_follow_up_sends_the_conversation_so_far_then_its_message():
+    log = RequestLog([0.0, 5.0, 40.0, 41.0, 90.0], [0] * 5, [0] * 5, [300, 200, 100, 50, 9000], [20, 30, 40, 10, 10],
+                     [0, -1, -1, -1, -1], [200, 0, 0, 0, 0])
+    log.prefix_group[1:] = [0, 0, 0, 0]
+    log.prefix_len[1:] = [200] * 4
+    log.prompt[1:] = [p + 200 for p in log.prompt[1:]]
+    add_conversations(log, np.random.default_rng(0), turns=1e9, gap_s=30.0, requests=range(5), max_context=4096)
+    # 1 (5 s) is too soon after 0; 2 (40 s) continues 0, 3 (41 s) continues 1, 4 would pass the context
+    assert log.parent == [-1, -1, 0, 1, -1]
+    assert log.prompt[2] == 300 + 20 + 100 and log.prompt[3] == 400 + 30 + 50 and log.prompt[4] == 9200
+    assert conversation_of(log, 2) == 0 and conversation_of(log, 4) == 4
+    ids = [prompt_token_ids(log, r) for r in range(4)]
+    assert ids[2][:300] == ids[0] and ids[2][300:320] == [REPLY_ID] * 20 and len(ids[2]) == 420
+    assert ids[2][:200] == ids[1][:200]                                         # the group's system prompt
+
+
+def test_drawn_conversations_have_the_scenarios_turns_and_leave_the_arrivals_alone():
+    plain = draw_requests(replace(CHAT, models=(replace(CHAT.models[0], turns=1.0),)))
+    chat = draw_requests(CHAT)
+    assert chat.arrival == plain.arrival and chat.output == plain.output
+    follow_ups = np.asarray(chat.parent) >= 0
+    settled = np.asarray(chat.arrival) >= 2 * CHAT.models[0].turn_gap_s     # no conversation is old enough before
+    assert follow_ups[settled].mean() == pytest.approx(1 - 1 / CHAT.models[0].turns, abs=0.03)
+    gaps = [chat.arrival[r] - chat.arrival[chat.parent[r]] for r in np.flatnonzero(follow_ups)]
+    assert min(gaps) >= CHAT.models[0].turn_gap_s
+    assert all(chat.prefix_group[r] == chat.prefix_group[chat.parent[r]] for r in np.flatnonzero(follow_ups))
+
+
+@pytest.mark.parametrize("kind", ["scheduler", "batch"])
+def test_a_next_turn_on_the_replica_of_the_last_one_starts_from_its_blocks(kind):
+    """Turn 2 computes only what turn 1 did not leave in the cache: turn 1's prompt and output
+    up to its last full block (the last output token's KV is never computed)."""
+    log = RequestLog([1.0, 30.0], [0, 0], [0, 0], [1000, 1000 + 100 + 60], [100, 16], parent=[-1, 0])
+    one = replace(CHAT, models=(replace(CHAT.models[0], prefix_groups=0, turns=1.0),), duration_s=60)
+    run_policy(one, prepare(one), "always_on", CACHING[kind], log)
+    assert log.cached_tokens == [0, (1000 + 100 - 1) // BLOCK_SIZE * BLOCK_SIZE]
+
+
+@functools.lru_cache(maxsize=None)
+def _chat(router: str, kind: str) -> dict:
+    """A minute of the chat scenario (a pure function of its arguments: each run once)."""
+    scenario = replace(CHAT, duration_s=60)
+    report, arrays, _ = run_policy(scenario, prepare(scenario), "always_on", CACHING[kind], router=router)
+    assert (arrays["status"] == DONE).all()
+    return {"p50": report["p50_ttft_s"], "p99": report["p99_ttft_s"], "tpot": report["p50_tpot_s"],
+            "share": arrays["cached_tokens"].sum() / arrays["prompt"].sum()}
+
+
+@pytest.mark.parametrize("router", ["least_loaded", "kv_aware"])
+def test_the_coalesced_replica_follows_the_engines_cache_on_conversations(router):
+    fast, real = _chat(router, "batch"), _chat(router, "scheduler")
+    assert fast["share"] == pytest.approx(real["share"], abs=0.05), (fast, real)
+    for key in ("p50", "p99", "tpot"):
+        assert fast[key] == pytest.approx(real[key], rel=0.2), (key, fast, real)
+
+
+def test_the_kv_aware_router_keeps_a_conversation_where_its_history_is():
+    spread, aware = _chat("least_loaded", "batch"), _chat("kv_aware", "batch")
+    assert aware["share"] > spread["share"] + 0.1 and aware["p50"] < spread["p50"]
