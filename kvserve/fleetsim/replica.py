@@ -84,8 +84,8 @@ class BatchReplica:
     # -- events -----------------------------------------------------------------------------------
     def submit(self, request: int, now: float, prompt_ids: list[int] | None = None) -> float | None:
         """Queue ``request``; return the time of this replica's next event if it changed (it was
-        idle, or a decode run is cut for the admission), else None. ``prompt_ids`` are not read:
-        this replica has no prefix cache."""
+        idle, or a decode run is cut for the admission), else None. ``prompt_ids`` are not read (the
+        coalesced replicas simulate without ids)."""
         self.waiting.append(request)
         self.unanswered_tokens += self._queue(request)
         self.held.update(now, self.num_running + self.num_waiting)
