@@ -1,6 +1,7 @@
 """Tier 2: greedy outputs equal Hugging Face transformers on the same GGUF, in fp32.
 
-Also batch invariance: every prompt alone gives what it gives inside the batch of 32.
+Also batch invariance: every prompt alone or in a small batch gives what it gives inside the
+batch of 32.
 """
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from kvserve.sampling.params import SamplingParams
-from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
+from tests.support.parity import compare_greedy, teacher_forced, top2_gaps_from_logprobs
 
 NEW_TOKENS = 32
 pytestmark = pytest.mark.model
@@ -19,20 +20,13 @@ def greedy(max_tokens=NEW_TOKENS, logprobs=2):
 
 
 @pytest.fixture(scope="module")
-def hf_reference(hf_model_folder, prompts):
-    """HF greedy ids, the log-softmax of each step's logits, per prompt (the GGUF as
-    transformers loads it: ``hf_model_folder``)."""
+def hf_reference(hf_model_folder, prompts, batched):
+    """Per prompt, HF's greedy choice and log-softmax at each of our generated positions, our
+    tokens so far as context (``teacher_forced``: equal choices everywhere mean HF's own greedy
+    generation is ours), on the GGUF as transformers loads it (``hf_model_folder``)."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(hf_model_folder, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    results = []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False,
-                                 output_logits=True, return_dict_in_generate=True, pad_token_id=2,
-                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-            logprobs = torch.log_softmax(torch.stack(out.logits, dim=0)[:, 0].float(), dim=-1)  # [N, V]
-            results.append((out.sequences[0, len(ids):].tolist(), logprobs))
+    results = teacher_forced(model, prompts, [out.outputs[0].token_ids for out in batched])
     del model
     return results
 
@@ -69,9 +63,24 @@ def test_greedy_ids_and_logprobs_match_hf(batched, hf_reference):
     assert worst < 1e-3
 
 
+BATCH_SIZES = (1, 1, 1, 1, 1, 1, 2, 3, 4, 5, 6, 6)      # the 32 prompts
+
+
 def test_batch_invariance(llm, prompts, batched):
-    alone = [llm.generate([{"prompt_token_ids": p}], greedy())[0].outputs[0] for p in prompts]
-    gaps = [top2_gaps_from_logprobs(o.logprobs) for o in alone]
-    compare_greedy([o.token_ids for o in alone], [b.outputs[0].token_ids for b in batched], gaps)
+    """Every prompt gives alone or in a small batch what it gives in the batch of 32: six prompts
+    alone (the three shortest and the three longest), the rest in batches of 2 to 6."""
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    order = order[:3] + order[-3:] + order[3:-3]
+    outputs: dict[int, object] = {}
+    start = 0
+    for size in BATCH_SIZES:
+        chunk = order[start:start + size]
+        start += size
+        for i, out in zip(chunk, llm.generate([{"prompt_token_ids": prompts[i]} for i in chunk], greedy())):
+            outputs[i] = out.outputs[0]
+    assert start == len(prompts) and sorted(outputs) == list(range(len(prompts)))
+    smaller = [outputs[i] for i in range(len(prompts))]
+    gaps = [top2_gaps_from_logprobs(o.logprobs) for o in smaller]
+    compare_greedy([o.token_ids for o in smaller], [b.outputs[0].token_ids for b in batched], gaps)
     llm.engine.check_integrity()
     assert llm.engine.block_pool.num_used_blocks == 0

@@ -13,7 +13,7 @@ import torch
 
 from kvserve import LLM, LoRARequest
 from kvserve.sampling.params import SamplingParams
-from tests.support.lora_adapters import hf_base_model, make_adapter, peft_greedy
+from tests.support.lora_adapters import hf_base_model, make_adapter, peft_reference
 from tests.support.parity import compare_greedy, top2_gaps_from_logprobs
 
 pytestmark = pytest.mark.model
@@ -51,12 +51,6 @@ def adapters(hf_base, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def references(hf_base, adapters, parity_prompts) -> dict[str, list]:
-    """peft's greedy ids and per-step log-softmax, per adapter and prompt."""
-    return {name: peft_greedy(hf_base, folder, parity_prompts, NEW_TOKENS) for name, folder in adapters.items()}
-
-
-@pytest.fixture(scope="module")
 def lora_llm(model_path):
     return LLM(model_path, dtype="float32", enable_lora=True, max_loras=4, max_lora_rank=16, kv_cache_bytes=256 * 2**20)
 
@@ -75,7 +69,8 @@ def mixed(lora_llm, adapters, parity_prompts) -> dict[str | None, list]:
 
 
 def check_against_peft(reference, outputs, label: str) -> None:
-    """Greedy ids equal peft's (near-ties tolerated), logprobs of agreeing tokens close."""
+    """Greedy ids equal peft's (near-ties tolerated), logprobs of agreeing tokens close.
+    ``reference``: ``peft_reference`` along ``outputs``."""
     gaps = []
     for _ids, logprobs in reference:
         top2 = logprobs.topk(2, dim=-1).values
@@ -107,15 +102,18 @@ def test_base_rows_of_a_lora_engine_equal_the_plain_engine(mixed, llm, parity_pr
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
-def test_adapter_in_the_mixed_batch_matches_peft(name, mixed, references):
-    check_against_peft(references[name], mixed[name], f"{name} (mixed)")
+def test_adapter_in_the_mixed_batch_matches_peft(name, mixed, hf_base, adapters, parity_prompts):
+    reference = peft_reference(hf_base, adapters[name], parity_prompts, [o.token_ids for o in mixed[name]])
+    check_against_peft(reference, mixed[name], f"{name} (mixed)")
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
-def test_adapter_alone_matches_peft(name, lora_llm, adapters, references, parity_prompts):
-    outputs = lora_llm.generate([{"prompt_token_ids": p} for p in parity_prompts], GREEDY, use_prefix_cache=False,
-                                lora_request=LoRARequest(name, adapters[name]))     # computed anew
-    check_against_peft(references[name], [o.outputs[0] for o in outputs], f"{name} (alone)")
+def test_adapter_alone_matches_peft(name, lora_llm, hf_base, adapters, parity_prompts):
+    outputs = [o.outputs[0] for o in lora_llm.generate([{"prompt_token_ids": p} for p in parity_prompts], GREEDY,
+                                                       use_prefix_cache=False,      # computed anew
+                                                       lora_request=LoRARequest(name, adapters[name]))]
+    reference = peft_reference(hf_base, adapters[name], parity_prompts, [o.token_ids for o in outputs])
+    check_against_peft(reference, outputs, f"{name} (alone)")
     lora_llm.engine.check_integrity()
     assert lora_llm.engine.block_pool.num_used_blocks == 0
 
@@ -135,15 +133,14 @@ def test_adapter_on_an_untied_head_folder_model(tmp_path, model_path, parity_pro
     AutoTokenizer.from_pretrained(folder_name, gguf_file=file_name).save_pretrained(folder)
     make_adapter(hf_model, adapter, r=8, alpha=16, seed=4, scale_b=3.0,
                  targets=("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
-    hf_model.generation_config.eos_token_id = None
-    reference = peft_greedy(hf_model, adapter, parity_prompts, NEW_TOKENS)
-    base_reference = peft_greedy(hf_model, None, parity_prompts, NEW_TOKENS)
-
     llm = LLM(str(folder), dtype="float32", enable_lora=True, max_loras=1, max_lora_rank=8, kv_cache_bytes=32 * 2**20)
     assert not llm.engine.model_config.tie_word_embeddings
     jobs = [(lora, p) for p in parity_prompts for lora in (None, LoRARequest("tiny", adapter))]
     outputs = llm.generate([{"prompt_token_ids": p} for _l, p in jobs], GREEDY, lora_request=[j[0] for j in jobs])
-    check_against_peft(reference, [o.outputs[0] for o in outputs[1::2]], "untied head adapter")
-    check_against_peft(base_reference, [o.outputs[0] for o in outputs[0::2]], "untied head base")
+    adapted, base = [o.outputs[0] for o in outputs[1::2]], [o.outputs[0] for o in outputs[0::2]]
+    reference = peft_reference(hf_model, adapter, parity_prompts, [o.token_ids for o in adapted])
+    base_reference = peft_reference(hf_model, None, parity_prompts, [o.token_ids for o in base])
+    check_against_peft(reference, adapted, "untied head adapter")
+    check_against_peft(base_reference, base, "untied head base")
     changed = sum(a != b for (a, _), (b, _) in zip(reference, base_reference))
     assert changed >= 12, f"the adapter changes only {changed} outputs"

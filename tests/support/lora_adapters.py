@@ -2,8 +2,8 @@
 
 ``make_adapter`` wraps the base in a fresh PEFT LoRA with random A and non-zero random B
 (``init_lora_weights=False``), saves the folder and unwraps the base again, so one base
-model serves many adapters. ``peft_greedy`` is the reference: the same folder loaded
-by ``peft`` on the fp32 base, greedy.
+model serves many adapters. ``peft_reference`` is the reference: the same folder loaded
+by ``peft`` on the fp32 base, its greedy choices along our outputs.
 """
 from __future__ import annotations
 
@@ -43,25 +43,19 @@ def make_adapter(base, folder: str, r: int = 8, alpha: float = 16, targets=("q_p
     return folder
 
 
-def peft_greedy(base, folder: str | None, prompts: list[list[int]], max_new_tokens: int):
-    """Greedy ids and per-step log-softmax of ``base`` with the adapter at ``folder``
-    (None: the base alone), one prompt at a time."""
+def peft_reference(base, folder: str | None, prompts: list[list[int]], continuations: list[list[int]]):
+    """peft's greedy choice and log-softmax at each position of ``continuations`` (ours),
+    teacher-forced (``parity.teacher_forced``), for ``base`` with the adapter at ``folder``
+    (None: the base alone)."""
     from peft import PeftModel
+
+    from tests.support.parity import teacher_forced
     model = PeftModel.from_pretrained(base, folder).eval() if folder else base
-    results = []
     try:
-        with torch.inference_mode():
-            for ids in prompts:
-                out = model.generate(input_ids=torch.tensor([ids]), max_new_tokens=max_new_tokens,
-                                     do_sample=False, output_logits=True, return_dict_in_generate=True,
-                                     pad_token_id=0, eos_token_id=None,
-                                     attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-                logprobs = torch.log_softmax(torch.stack(out.logits, dim=0)[:, 0].float(), dim=-1)
-                results.append((out.sequences[0, len(ids):].tolist(), logprobs))
+        return teacher_forced(model, prompts, continuations)
     finally:
         if folder:
             model.unload()
-    return results
 
 
 # ---------------------------------------------------------------- synthetic (tier 1)

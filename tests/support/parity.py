@@ -1,4 +1,5 @@
-"""Greedy comparison with near-tie tolerance, shared by the tier-2 tests."""
+"""Greedy comparison with near-tie tolerance and the teacher-forced Hugging Face reference,
+shared by the tier-2 tests."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,3 +42,20 @@ def top2_gaps_from_logprobs(logprobs: list[dict[int, float]]) -> list[float]:
         best = sorted(entry.values(), reverse=True)
         gaps.append(best[0] - best[1] if len(best) > 1 else float("inf"))
     return gaps
+
+
+def teacher_forced(model, prompts: list[list[int]], continuations: list[list[int]]) -> list[tuple[list[int], "torch.Tensor"]]:
+    """The reference's greedy choice and log-softmax ``[len(continuation), vocab]`` at each
+    generated position, given the prompt and the continuation's earlier tokens as context: one
+    forward per prompt (a transformers or peft model). Where every choice equals the
+    continuation, the reference's own greedy generation *is* the continuation, token for token
+    (by induction over positions); a first difference is a real one unless ``compare_greedy``
+    finds a near-tie there. Costs one prefill per prompt instead of a decode step per token."""
+    import torch
+    results = []
+    with torch.inference_mode():
+        for ids, continuation in zip(prompts, continuations, strict=True):
+            logits = model(input_ids=torch.tensor([ids + continuation[:-1]])).logits[0, len(ids) - 1:]
+            logprobs = torch.log_softmax(logits.float(), dim=-1)
+            results.append((logprobs.argmax(dim=-1).tolist(), logprobs))
+    return results
