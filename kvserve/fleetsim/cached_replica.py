@@ -38,48 +38,50 @@ from kvserve.router.index import request_block_hashes
 BLOCK_SIZE = 16
 
 
-class GroupCache:
+class EntryCache:
     """What a replica's pool caches: key -> [tokens, requests reading it], least recently used
-    first. A key >= 0 is a prefix group; a negative one a finished request's own blocks."""
+    first. A key >= 0 is a prefix group's shared prefix; a negative one a conversation's history
+    (``_history_key``: a request's own blocks, grown by its later turns)."""
 
     def __init__(self):
-        self.groups: OrderedDict[int, list[int]] = OrderedDict()
-        self.held_tokens = 0                   # tokens of every resident group
-        self.pinned_tokens = 0                 # tokens of the groups running requests read
+        self.entries: OrderedDict[int, list[int]] = OrderedDict()
+        self.held_tokens = 0                   # tokens of every entry
+        self.pinned_tokens = 0                 # tokens of the entries running requests read
 
-    def __contains__(self, group: int) -> bool:
-        return group in self.groups
+    def __contains__(self, key: int) -> bool:
+        return key in self.entries
 
-    def tokens(self, group: int) -> int:
-        """The cached prefix of ``group`` (0 if not resident)."""
-        entry = self.groups.get(group)
+    def tokens(self, key: int) -> int:
+        """The tokens cached under ``key`` (0 if none)."""
+        entry = self.entries.get(key)
         return entry[0] if entry is not None else 0
 
     def evictable_tokens(self, keep=()) -> int:
         """Tokens eviction could free, the entries ``keep`` left alone."""
         spare = self.held_tokens - self.pinned_tokens
         for key in keep:
-            entry = self.groups.get(key)
+            entry = self.entries.get(key)
             if entry is not None and entry[1] == 0:
                 spare -= entry[0]
         return spare
 
     def insert(self, group: int, tokens: int) -> None:
         """``group``'s prefix is resident, read by the request that computed it."""
-        self.groups[group] = [tokens, 1]
+        self.entries[group] = [tokens, 1]
         self.held_tokens += tokens
         self.pinned_tokens += tokens
 
-    def acquire(self, group: int) -> None:
-        """One more running request reads ``group`` (its recency refreshed)."""
-        entry = self.groups[group]
+    def acquire(self, key: int) -> None:
+        """One more running request reads ``key`` (its recency refreshed)."""
+        entry = self.entries[key]
         if entry[1] == 0:
             self.pinned_tokens += entry[0]
         entry[1] += 1
-        self.groups.move_to_end(group)
+        self.entries.move_to_end(key)
 
-    def release(self, group: int) -> None:
-        entry = self.groups[group]
+    def release(self, key: int) -> None:
+        """A running request that read ``key`` finished."""
+        entry = self.entries[key]
         entry[1] -= 1
         if entry[1] == 0:
             self.pinned_tokens -= entry[0]
@@ -87,27 +89,27 @@ class GroupCache:
     def put(self, key: int, tokens: int) -> None:
         """``key`` holds ``tokens`` now, most recently used (a conversation's history, grown or
         new; requests still reading it keep reading it)."""
-        entry = self.groups.get(key)
+        entry = self.entries.get(key)
         if entry is None:
-            self.groups[key] = entry = [0, 0]
+            self.entries[key] = entry = [0, 0]
         self.held_tokens += tokens - entry[0]
         if entry[1]:
             self.pinned_tokens += tokens - entry[0]
         entry[0] = tokens
-        self.groups.move_to_end(key)
+        self.entries.move_to_end(key)
 
     def evict(self, tokens: int) -> list[int]:
         """Evict unread entries, least recently used first, until ``tokens`` are freed; the
         keys evicted."""
         gone = []
-        for key, (size, readers) in self.groups.items():
+        for key, (size, readers) in self.entries.items():
             if tokens <= 0:
                 break
             if readers == 0:
                 gone.append(key)
                 tokens -= size
         for key in gone:
-            self.held_tokens -= self.groups.pop(key)[0]
+            self.held_tokens -= self.entries.pop(key)[0]
         return gone
 
 
@@ -118,7 +120,7 @@ class PrefixCachingReplica(BatchReplica):
     def __init__(self, name: str, sizing: ReplicaSizing, log: RequestLog, block_size: int = BLOCK_SIZE):
         super().__init__(name, sizing, log)
         self.block_size = block_size
-        self.cache = GroupCache()
+        self.cache = EntryCache()
         self.reads: dict[int, list[tuple[int, int]]] = {}   # running request -> [(key, cached tokens it reads)]
         self.queued: dict[int, int] = {}                # request -> uncached prompt tokens, until its first token
         self.hashes: dict[int, list[int]] = {}          # key -> its blocks' hashes (for events)

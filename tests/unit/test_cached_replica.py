@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace
-from kvserve.fleetsim.cached_replica import BLOCK_SIZE, GroupCache, PrefixCachingReplica
+from kvserve.fleetsim.cached_replica import BLOCK_SIZE, EntryCache, PrefixCachingReplica
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.run import prepare
@@ -19,7 +19,7 @@ SCENARIO = Scenario(name="cache", models=(ModelTraffic("a", "llama-3-8b", 256.0,
 
 
 def test_eviction_takes_unread_groups_least_recently_used_first():
-    cache = GroupCache()
+    cache = EntryCache()
     for group in range(3):
         cache.insert(group, 100)                  # each read by the request that computed it
     cache.release(0)
@@ -75,7 +75,7 @@ def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():
     held = {h for h, n in heard.items() if n == 1}
     assert set(heard.values()) <= {0, 1}
     expected = set()
-    for key, (tokens, _) in replica.cache.groups.items():
+    for key, (tokens, _) in replica.cache.entries.items():
         if key >= 0:                              # a group's prefix
             ids = prompt_token_ids(log, groups.index(key))[:tokens]
             expected |= set(request_block_hashes(ids, CacheNamespace(), BLOCK_SIZE))
@@ -85,5 +85,5 @@ def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():
             expected |= set(request_block_hashes(ids[:1024 + tokens], CacheNamespace(), BLOCK_SIZE)[1024 // BLOCK_SIZE:])
     assert held == expected
     assert replica.reserved == 0 and replica.cache.pinned_tokens == 0 and replica.queued_tokens == 0
-    own = {key: tokens for key, (tokens, _) in replica.cache.groups.items() if key < 0}
+    own = {key: tokens for key, (tokens, _) in replica.cache.entries.items() if key < 0}
     assert own and all(tokens == (1024 + 40 + 8 - 1) // BLOCK_SIZE * BLOCK_SIZE - 1024 for tokens in own.values())
