@@ -87,3 +87,24 @@ def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():
     assert replica.reserved == 0 and replica.cache.pinned_tokens == 0 and replica.queued_tokens == 0
     own = {key: tokens for key, (tokens, _) in replica.cache.entries.items() if key < 0}
     assert own and all(tokens == (1024 + 40 + 8 - 1) // BLOCK_SIZE * BLOCK_SIZE - 1024 for tokens in own.values())
+
+
+def test_conversations_grow_their_history_and_the_pool_stays_within_its_size():
+    """Three conversations of three turns, interleaved, through a pool too small for their
+    histories and a running turn: each turn's history replaces its conversation's entry, a next turn on a history
+    still there reads all of it, evicted ones are computed again, and the accounting holds."""
+    sizing = replace(prepare(SCENARIO).sizings[0], kv_tokens=1500, max_num_seqs=2)
+    parent = [-1, -1, -1, 0, 1, 2, 3, 4, 5]
+    prompt, output = [400] * 3, [100] * 9
+    for r in range(3, 9):
+        prompt.append(prompt[parent[r]] + output[parent[r]] + 50)
+    log = RequestLog([10.0 * r for r in range(9)], [0] * 9, [0] * 9, prompt, output, parent=parent)
+    replica = PrefixCachingReplica("r", sizing, log)
+    _run(replica, log)
+    assert replica.reserved == 0 and replica.cache.pinned_tokens == 0
+    histories = {key: tokens for key, (tokens, _) in replica.cache.entries.items()}
+    assert set(histories) <= {-2, -3, -4}                  # one entry per conversation, keyed by its first turn
+    assert all(tokens % BLOCK_SIZE == 0 for tokens in histories.values())
+    full = [(prompt[r] + output[r] - 1) // BLOCK_SIZE * BLOCK_SIZE for r in range(9)]
+    assert any(log.cached_tokens[r] == full[parent[r]] for r in range(3, 9))    # a whole history read
+    assert any(log.cached_tokens[r] == 0 for r in range(3, 9))                  # one evicted first
