@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace
+from kvserve.engine.kv.cache_events import BlockRemoved, BlockStored, CacheNamespace, block_hash, namespace_seed
 from kvserve.fleetsim.conversations import conversation_of
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
@@ -124,7 +124,19 @@ class PrefixCachingReplica(BatchReplica):
         self.reads: dict[int, list[tuple[int, int]]] = {}   # running request -> [(key, cached tokens it reads)]
         self.queued: dict[int, int] = {}                # request -> uncached prompt tokens, until its first token
         self.hashes: dict[int, list[int]] = {}          # key -> its blocks' hashes (for events)
+        self.ids: dict[int, list[int]] = {}             # request -> the prompt ids its router made, until it ends
         self.cache_listener = None                      # called with (name, events); set by the deployment
+
+    def submit(self, request: int, now: float, prompt_ids: list[int] | None = None) -> float | None:
+        """``BatchReplica.submit``; the router's ``prompt_ids`` are kept for the cache's events
+        (not made again)."""
+        if prompt_ids is not None and self.cache_listener is not None:
+            self.ids[request] = prompt_ids
+        return super().submit(request, now, prompt_ids)
+
+    def _prompt_ids(self, request: int) -> list[int]:
+        ids = self.ids.get(request)
+        return ids if ids is not None else prompt_token_ids(self.log, request)
 
     @property
     def kv_usage(self) -> float:
@@ -198,7 +210,7 @@ class PrefixCachingReplica(BatchReplica):
         self.reads[request].append((group, tokens))
         self.reserved -= tokens
         if self.cache_listener is not None:
-            ids = prompt_token_ids(self.log, request)[:tokens]
+            ids = self._prompt_ids(request)[:tokens]
             self.hashes[group] = hashes = request_block_hashes(ids, CacheNamespace(), self.block_size)
             self._announce([BlockStored(hashes, None, ids, self.block_size, None)])
 
@@ -218,11 +230,20 @@ class PrefixCachingReplica(BatchReplica):
             self.cache.put(key, history)
             if self.cache_listener is not None:
                 self._announce_history(request, key, group_part, history)
+        self.ids.pop(request, None)
 
     def _announce_history(self, request: int, key: int, group_part: int, history: int) -> None:
-        ids = prompt_token_ids(self.log, request) + [REPLY_ID] * (self.log.output[request] - 1)
-        hashes = request_block_hashes(ids[:group_part + history], CacheNamespace(), self.block_size)
-        hashes = hashes[group_part // self.block_size:]
+        bs = self.block_size
+        ids = self._prompt_ids(request) + [REPLY_ID] * (self.log.output[request] - 1)
+        group = self.hashes.get(self.log.prefix_group[request], []) if group_part else []
+        if len(group) == group_part // bs:             # chained on from the group's blocks, not hashed again
+            parent = group[-1] if group else namespace_seed(CacheNamespace())
+            hashes = []
+            for start in range(group_part, group_part + history, bs):
+                parent = block_hash(parent, ids[start:start + bs])
+                hashes.append(parent)
+        else:
+            hashes = request_block_hashes(ids[:group_part + history], CacheNamespace(), bs)[group_part // bs:]
         old = set(self.hashes.get(key, ()))
         self.hashes[key] = hashes
         stored = [h for h in hashes if h not in old]
