@@ -13,8 +13,14 @@ average), taking the conversation that has waited longest since its last turn, a
 its prompt is its parent's prompt + output + that message. A conversation that would pass
 ``max_context`` tokens (prompt + output) ends there: the request starts a new one. The
 conversation's first turn keeps its prefix group (a system prompt), so its later turns have it
-too. Open loop: a turn's arrival does not wait for the previous answer (``gap_s`` should exceed
-the latency, as a user's reading and typing time does).
+too.
+
+Open loop by default: a turn's arrival does not wait for the previous answer (``gap_s`` should
+exceed the latency, as a user's reading and typing time does). A model with ``closed_loop``
+sends a turn no sooner than ``gap_s`` after its previous turn's answer ended (``TurnGate``): its
+drawn arrival is the earliest it is sent. While answers come back within the drawn spacing the
+traffic is the open loop's; when the fleet is slow, later turns come later and the load it sees
+falls, as real users' does. A refused turn ends too: its user sends the next one after the gap.
 """
 from __future__ import annotations
 
@@ -22,7 +28,7 @@ from collections import deque
 
 import numpy as np
 
-from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.log import PENDING, RequestLog
 
 MAX_CONTEXT = 16_384
 
@@ -53,3 +59,36 @@ def conversation_of(log: RequestLog, request: int) -> int:
     while log.parent[request] >= 0:
         request = log.parent[request]
     return request
+
+
+class TurnGate:
+    """The closed loop (module docstring) over ``log``: ``gaps[m]`` is model ``m``'s turn gap if
+    its conversations are closed-loop, else None. It sets ``log.ended`` and reads it."""
+
+    def __init__(self, log: RequestLog, gaps: list[float | None]):
+        self.log, self.gaps = log, gaps
+        self.waiting: dict[int, int] = {}      # a turn not yet ended -> its follow-up held for it
+        log.ended = []
+
+    def send_time(self, request: int) -> float | None:
+        """When ``request`` is sent, asked at its drawn arrival: that arrival, a later time, or
+        None while its previous turn has not ended (``released`` gives the time then)."""
+        log = self.log
+        gap, parent = self.gaps[log.model[request]], log.parent[request]
+        if gap is None or parent < 0:
+            return log.arrival[request]
+        if log.status[parent] == PENDING:
+            self.waiting[parent] = request
+            return None
+        return max(log.arrival[request], log.finish_s[parent] + gap)
+
+    def released(self) -> list[tuple[float, int]]:
+        """(send time, request) of each held follow-up whose previous turn ended since the last call."""
+        log, sends = self.log, []
+        for parent in log.ended:
+            request = self.waiting.pop(parent, None)
+            if request is not None:
+                sends.append((max(log.arrival[request], log.finish_s[parent] + self.gaps[log.model[request]]),
+                              request))
+        log.ended.clear()
+        return sends

@@ -1,7 +1,9 @@
 """The discrete-event loop: a day of requests through the deployments, the autoscalers and
 the residency tiers of one fleet policy.
 
-Events, in time order (ties by insertion): a request's arrival (routed or queued), a
+Events, in time order (ties by insertion): a request's arrival (routed or queued; a
+closed-loop conversation's turn held back until its previous answer ended is pushed as an
+event, ``conversations.TurnGate``), a
 replica's segment end (``BatchReplica.complete``; the slots of the requests it finished go to
 the deployment's queue), a replica becoming ready, the autoscaler
 tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
@@ -17,6 +19,7 @@ import math
 
 from kvserve.autoscale.residency import RetierConfig, retier
 from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.conversations import TurnGate
 from kvserve.fleetsim.deployment import Deployment
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.replica import BatchReplica
@@ -24,7 +27,7 @@ from kvserve.fleetsim.scaling import POLICIES, ModelScaler, replicas_for_rate
 from kvserve.fleetsim.scenario import Scenario
 from kvserve.fleetsim.sizing import ReplicaSizing
 
-REPLICA, READY, TICK, RETIER, APPLY = 0, 1, 2, 3, 4
+REPLICA, READY, TICK, RETIER, APPLY, ARRIVE = 0, 1, 2, 3, 4, 5
 TIMELINE_EVERY_S = 300.0
 
 
@@ -58,6 +61,8 @@ class FleetSim:
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.serving: list[tuple[float, tuple[int, ...]]] = [(0.0, self._serving())]
         self.rejected = 0
+        gaps = [m.turn_gap_s if m.closed_loop and m.turns > 1.0 else None for m in scenario.models]
+        self.turns = TurnGate(log, gaps) if any(g is not None for g in gaps) else None
 
     def _initial_tier(self, name: str) -> ResidencyTier:
         if self.policy.tiers == "peak":
@@ -91,28 +96,44 @@ class FleetSim:
             self._push(s.autoscale_interval_s, TICK, None, None)
         if self.policy.tiers == "planned":
             self._push(s.retier_interval_s, RETIER, None, None)
-        arrival, model = self.log.arrival, self.log.model
-        heap, deps = self.heap, self.deployments
+        arrival, heap, turns = self.log.arrival, self.heap, self.turns
         for request in range(len(arrival)):
             t_next = arrival[request]
             while heap and heap[0][0] <= t_next:
                 self._handle(heapq.heappop(heap))
-            dep = deps[model[request]]
-            routed = dep.arrive(request, t_next)
-            if routed is not None:
-                self._replica_event(*routed)
-            elif not dep.ready:
-                self._scale_from_zero(dep, t_next)
+            send = t_next if turns is None else turns.send_time(request)
+            if send == t_next:
+                self._arrive(request, t_next)
+            elif send is not None:
+                self._push(send, ARRIVE, request, None)
         while heap:
             self._handle(heapq.heappop(heap))
         end = max(s.duration_s, max((self.log.finish_s[i] for i in range(len(arrival))), default=0.0))
-        for dep in deps:
+        for dep in self.deployments:
             dep.account(end)
         return {"end_s": end, "timeline": self.timeline, "serving": self.serving, "rejected": self.rejected}
 
+    def _arrive(self, request: int, now: float) -> None:
+        """``request`` is sent at ``now``: routed, or queued (starting a replica if none is)."""
+        self.log.arrival[request] = now
+        dep = self.deployments[self.log.model[request]]
+        routed = dep.arrive(request, now)
+        if routed is not None:
+            self._replica_event(*routed)
+        elif not dep.ready:
+            self._scale_from_zero(dep, now)
+
     def _handle(self, event) -> None:
+        self._dispatch(event)
+        if self.turns is not None:
+            for send, request in self.turns.released():
+                self._push(send, ARRIVE, request, None)
+
+    def _dispatch(self, event) -> None:
         t, _, kind, a, b = event
-        if kind == REPLICA:
+        if kind == ARRIVE:
+            self._arrive(a, t)
+        elif kind == REPLICA:
             if a.version == b:
                 finished = a.finished_total
                 self._replica_event(a, a.complete(t))

@@ -15,7 +15,8 @@ class RequestLog:
     (-1: none) and ``prefix_len``: the leading prompt tokens a request shares with its group
     (``prompt_ids.py``); ``parent``: the conversation's previous turn, whose prompt and output
     this prompt starts with (-1: none; ``conversations.py``); ``cached_tokens``: prompt tokens a
-    replica's prefix cache served."""
+    replica's prefix cache served. ``ended``: None, or (set by whoever reads it, e.g. the closed
+    loop of ``conversations.TurnGate``) a list each finished or refused request is appended to."""
 
     def __init__(self, arrival_s, model, klass, prompt, output, prefix_group=None, prefix_len=None, parent=None):
         self.arrival = [float(x) for x in arrival_s]
@@ -32,6 +33,7 @@ class RequestLog:
         self.prefix_len = [int(x) for x in prefix_len] if prefix_len is not None else [0] * n
         self.parent = [int(x) for x in parent] if parent is not None else [-1] * n
         self.cached_tokens = [0] * n
+        self.ended: list[int] | None = None
 
     def fresh(self) -> "RequestLog":
         """The same requests with nothing happened yet (one per simulated policy or engine run)."""
@@ -47,10 +49,14 @@ class RequestLog:
     def finish(self, request: int, now: float) -> None:
         self.finish_s[request] = now
         self.status[request] = DONE
+        if self.ended is not None:
+            self.ended.append(request)
 
     def reject(self, request: int, now: float) -> None:
         self.finish_s[request] = now
         self.status[request] = REJECTED
+        if self.ended is not None:
+            self.ended.append(request)
 
     def arrays(self) -> dict[str, np.ndarray]:
         """The log as numpy arrays: ttft_s and tpot_s (NaN where not served) and the inputs."""

@@ -27,7 +27,8 @@ class ModelTraffic:
     own tokens after it): what a prefix cache and the KV-aware router reuse. With ``turns`` > 1
     requests are turns of conversations, ``turns`` on average, a turn at least
     ``turn_gap_s`` after the previous one (``conversations.py``): a later turn's prompt is the
-    previous prompt, its answer and ``prompt_tokens`` of new message."""
+    previous prompt, its answer and ``prompt_tokens`` of new message; with ``closed_loop`` a turn is
+    also sent no sooner than ``turn_gap_s`` after the previous turn's answer ended."""
 
     name: str
     preset: str
@@ -38,6 +39,7 @@ class ModelTraffic:
     prefix_groups: int = 0
     turns: float = 1.0
     turn_gap_s: float = 60.0
+    closed_loop: bool = False
 
     @property
     def mean_prompt_len(self) -> float:

@@ -1,6 +1,7 @@
 """Tier 1: multi-turn conversations in the fleet simulator (``fleetsim/conversations.py``): how
 turns are drawn, their prompt ids, a next turn served from the replica that ran the last one
-(both replicas), and the coalesced replica against the engine's cache on a day of conversations."""
+(both replicas), the coalesced replica against the engine's cache on a day of conversations, and
+closed-loop conversations (a turn waits for its previous answer)."""
 from __future__ import annotations
 
 import functools
@@ -12,6 +13,7 @@ import pytest
 from kvserve.fleetsim.cached_replica import PrefixCachingReplica
 from kvserve.fleetsim.cli import load_scenario
 from kvserve.fleetsim.conversations import add_conversations, conversation_of
+from kvserve.fleetsim.fleet import FleetSim
 from kvserve.fleetsim.log import DONE, RequestLog
 from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.run import prepare, run_policy
@@ -81,3 +83,45 @@ def test_the_coalesced_replica_follows_the_engines_cache_on_conversations(router
 def test_the_kv_aware_router_keeps_a_conversation_where_its_history_is():
     spread, aware = _chat("least_loaded", "batch"), _chat("kv_aware", "batch")
     assert aware["share"] > spread["share"] + 0.1 and aware["p50"] < spread["p50"]
+
+
+def _closed(scenario, closed_loop: bool = True, turns: float | None = None):
+    model = scenario.models[0]
+    return replace(scenario, models=(replace(model, closed_loop=closed_loop, turns=turns or model.turns),))
+
+
+def test_a_closed_loop_turn_is_sent_the_gap_after_its_answer():
+    log = RequestLog([1.0, 30.0], [0, 0], [0, 0], [1000, 1000 + 100 + 60], [100, 16], parent=[-1, 0])
+    one = _closed(replace(CHAT, models=(replace(CHAT.models[0], prefix_groups=0),), duration_s=60))
+    run_policy(one, prepare(one), "always_on", CACHING["batch"], log, router="kv_aware")
+    gap = one.models[0].turn_gap_s
+    assert log.arrival[0] == 1.0 and log.arrival[1] == log.finish_s[0] + gap > 30.0   # not at its drawn 30 s
+    assert log.status == [DONE, DONE] and log.cached_tokens[1] == (1000 + 100 - 1) // BLOCK_SIZE * BLOCK_SIZE
+
+
+def _one_replica(closed_loop: bool):
+    """Two minutes of the chat scenario on one replica without a prefix cache (the always-on fleet
+    has four): overloaded."""
+    scenario = _closed(replace(CHAT, duration_s=120), closed_loop)
+    prepared, log = prepare(scenario), draw_requests(scenario)
+    drawn = list(log.arrival)
+    FleetSim(scenario, "always_on", prepared.sizings, log, prepared.planned, prepared.peak_rps,
+             prepared.initial_rps, initial_replicas=[1]).run()
+    return log, drawn
+
+
+def test_a_closed_loop_sends_later_turns_later_when_the_fleet_is_slow():
+    (open_, drawn), (closed, same_drawn) = _one_replica(False), _one_replica(True)
+    gap = CHAT.models[0].turn_gap_s
+    assert drawn == same_drawn and open_.arrival == drawn and set(open_.status) == set(closed.status) == {DONE}
+    follow_ups = [r for r in range(len(drawn)) if closed.parent[r] >= 0]
+    assert all(closed.arrival[r] >= max(drawn[r], closed.finish_s[closed.parent[r]] + gap) for r in follow_ups)
+    assert all(closed.arrival[r] == drawn[r] for r in range(len(drawn)) if closed.parent[r] < 0)
+    too_soon = sum(open_.arrival[r] < open_.finish_s[open_.parent[r]] + gap for r in follow_ups)
+    assert too_soon > len(follow_ups) / 2                # the open loop sends turns before the answer is read
+    assert sum(closed.arrival[r] > drawn[r] for r in follow_ups) > len(follow_ups) / 2
+    ttft = {name: np.median(np.subtract(log.first_token_s, log.arrival)) for name, log in
+            (("open", open_), ("closed", closed))}
+    assert ttft["closed"] < 0.9 * ttft["open"], ttft                 # the slower fleet sees less load
+    again, _ = _one_replica(True)
+    assert again.arrival == closed.arrival and again.finish_s == closed.finish_s     # deterministic
