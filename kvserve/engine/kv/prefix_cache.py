@@ -18,6 +18,11 @@ passed, so blocks of running requests and of live turns stay. Grace protection m
 at most ``max_protected_share`` of the pool: when more is protected and a caller needs
 blocks, the least recently used protected blocks beyond that share become evictable (a
 small pool under load would otherwise fill with finished requests' graces and starve).
+
+Eviction is O(blocks dropped x log leaves), not a scan of the tree: the leaves wait in a heap
+by last use (``_lru``), pushed whenever a leaf is made or touched; an entry whose node has been
+touched, grown a child or been removed since is stale and skipped when it comes up, and the heap
+is rebuilt from the leaf set when stale entries outnumber the leaves.
 """
 from __future__ import annotations
 
@@ -103,6 +108,8 @@ class PrefixCache:
         self._clock = clock
         self._roots: dict[CacheNamespace, _Node] = {}
         self._leaves: set[_Node] = set()      # non-root nodes without children
+        self._lru: list[tuple[int, int, int, _Node]] = []   # (last_access, serial, push, leaf); stale ones too
+        self._pushes = itertools.count()      # a unique last key: a node queued twice is never compared
         self._tick = itertools.count(1)
         self._serials = itertools.count()
         self._events: deque[CacheEvent] = deque(maxlen=max_pending_events)
@@ -133,6 +140,7 @@ class PrefixCache:
             node = child
         if node is None:
             node = self._root(namespace, create=False)
+        self._queue_if_leaf(node)
         return PrefixHandle(namespace, node, tuple(block_ids), len(block_ids) * bs)
 
     def _num_equal_blocks(self, node: _Node, token_ids: list[int], start: int, max_blocks: int) -> int:
@@ -201,6 +209,7 @@ class PrefixCache:
             path_ids.extend(child.block_ids)
             done += len(child.block_ids)
             node = child
+        self._queue_if_leaf(node)
         return PrefixHandle(handle.namespace, node, tuple(path_ids), len(path_ids) * bs)
 
     def _add_node(self, parent: _Node, key: tuple[int, ...], token_ids: list[int], block_ids: list[int]) -> _Node:
@@ -240,9 +249,7 @@ class PrefixCache:
         if grace_s > 0:
             node.protected_until = max(node.protected_until, self._clock() + grace_s)
         tick = next(self._tick)
-        while not node.is_root:
-            node.last_access = tick
-            node = node.parent
+        self._set_access(node, tick)
 
     # --------------------------------------------------------------- eviction
     def evict(self, num_blocks: int, include_protected: bool = False) -> list[int]:
@@ -258,7 +265,8 @@ class PrefixCache:
             if len(dropped) < num_blocks:
                 dropped += self._evict(num_blocks - len(dropped), float("inf"), lambda node: True)
             return dropped
-        if len(dropped) < num_blocks:                  # the tree walk only when grace time held some back
+        # the tree walk only when grace time held some back and could hold more than its share
+        if len(dropped) < num_blocks and self._stats.num_cached_blocks > self.max_protected_blocks:
             excess = self.num_protected_blocks(now) - self.max_protected_blocks
             if excess > 0:
                 dropped += self._evict(min(num_blocks - len(dropped), excess), float("inf"), lambda node: True)
@@ -299,20 +307,47 @@ class PrefixCache:
         return len(self._evict(self._stats.num_cached_blocks, float("inf"), lambda node: True))
 
     def _evict(self, num_blocks: int, now: float, selected: Callable[[_Node], bool]) -> list[int]:
-        def evictable(node: _Node) -> bool:
-            return (not node.children and node.lock_count == 0 and node.protected_until <= now
-                    and selected(node))
-
-        heap = [(n.last_access, n.serial, n) for n in self._leaves if evictable(n)]
-        heapq.heapify(heap)
+        """Up to ``num_blocks`` blocks from the least recently used leaves that are unlocked,
+        out of grace at ``now`` and ``selected``; a leaf emptied makes its parent a leaf."""
         dropped: list[int] = []
+        held: list[tuple[int, int, int, _Node]] = []   # live entries passed over: they go back
+        heap = self._lru
         while heap and len(dropped) < num_blocks:
-            _, _, leaf = heapq.heappop(heap)
-            parent = leaf.parent
+            entry = heapq.heappop(heap)
+            access, _, _, leaf = entry
+            if leaf.last_access != access or leaf.children or not leaf.block_ids:
+                continue                            # stale: touched, grown or removed since
+            if leaf.lock_count or leaf.protected_until > now or not selected(leaf):
+                held.append(entry)
+                continue
             dropped.extend(self._trim(leaf, num_blocks - len(dropped)))
-            if not leaf.block_ids and not parent.is_root and evictable(parent):
-                heapq.heappush(heap, (parent.last_access, parent.serial, parent))
+            if leaf.block_ids:                      # trimmed, not emptied: still a leaf
+                held.append(entry)
+        for entry in held:
+            heapq.heappush(heap, entry)
         return dropped
+
+    def _set_access(self, node: _Node, tick: int) -> None:
+        """Mark ``node`` and its ancestors used at ``tick``."""
+        self._queue_if_leaf(node, tick)
+        node = node.parent
+        while node is not None and not node.is_root:
+            node.last_access = tick
+            node = node.parent
+
+    def _queue_if_leaf(self, node: _Node, tick: int | None = None) -> None:
+        """Set ``node``'s last use to ``tick`` (if given) and, if it is a leaf, push it on the
+        LRU heap (rebuilt from the leaf set when stale entries outnumber the leaves)."""
+        if node.is_root:
+            return
+        if tick is not None:
+            node.last_access = tick
+        if node.children:
+            return
+        heapq.heappush(self._lru, (node.last_access, node.serial, next(self._pushes), node))
+        if len(self._lru) > 2 * len(self._leaves) + 64:
+            self._lru = [(n.last_access, n.serial, next(self._pushes), n) for n in self._leaves]
+            heapq.heapify(self._lru)
 
     def _trim(self, leaf: _Node, max_blocks: int) -> list[int]:
         """Remove up to ``max_blocks`` blocks from the end of ``leaf``; unlink it if empty."""
@@ -335,6 +370,7 @@ class PrefixCache:
                     self._roots.pop(parent.namespace, None)
                 else:
                     self._leaves.add(parent)
+                    self._queue_if_leaf(parent)
         return dropped
 
     # ------------------------------------------------------- events and stats
@@ -417,6 +453,9 @@ class PrefixCache:
             raise AssertionError("cache counters disagree with the tree")
         if self._leaves != {n for n in nodes if not n.children}:
             raise AssertionError("leaf set disagrees with the tree")
+        queued = {id(n) for access, _, _, n in self._lru if n.last_access == access}
+        if any(id(leaf) not in queued for leaf in self._leaves):
+            raise AssertionError("a leaf is not on the LRU heap at its last use")
         if locked_handles is not None:
             expected: dict[int, int] = {}
             for handle in locked_handles:
