@@ -16,13 +16,16 @@ first served (one model has one class), and each request that finishes hands its
 head of the queue, routed then to whichever replica the policy picks. A replica costs from the
 moment it is asked for (its GPUs are held while it starts) until it has drained. With a ``host``
 (``host_cpu.SharedHost``: replicas sharing one machine's cores) the deployment tells it when a
-replica starts and when that start ends.
+replica starts and when that start ends. With ``session_keys`` a request of a conversation
+carries its first turn's id as its session key (the client's ``prompt_cache_key``), which the
+prefix policies weigh as the cluster's router does.
 """
 from __future__ import annotations
 
 from collections import deque
 
 from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.fleetsim.conversations import conversation_of
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
@@ -49,8 +52,9 @@ class Deployment:
 
     def __init__(self, index: int, sizing: ReplicaSizing, tier: ResidencyTier, log: RequestLog,
                  replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None,
-                 host=None):
+                 host=None, session_keys: bool = False):
         self.index = index
+        self.session_keys = session_keys               # requests carry their conversation as prompt_cache_key
         self.host = host if host is not None else _OwnDevices()   # what the starts load
         self.slots = slots                             # requests on the replicas at most (None: no bound)
         self.in_flight = 0                             # requests routed and not finished
@@ -192,11 +196,14 @@ class Deployment:
                 state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
                 state.queued_tokens = r.queued_tokens
             ids = prompt_token_ids(self.log, request) if self.reads_prompts else None
-            route = RouteRequest(tuple(ids)) if ids is not None else _NO_TOKENS
+            route = RouteRequest(tuple(ids), session_key=self._session(request)) if ids is not None else _NO_TOKENS
             name = self.policy.choose(list(self.states.values()), route).replica
             replica = next(r for r in self.ready if r.name == name)
         self.in_flight += 1
         return replica, replica.submit(request, now, ids)
+
+    def _session(self, request: int) -> str | None:
+        return f"conversation-{conversation_of(self.log, request)}" if self.session_keys else None
 
     def expire_queue(self, now: float, max_wait_s: float) -> int:
         """Reject queued requests that waited longer than ``max_wait_s``; how many."""

@@ -48,7 +48,8 @@ class FleetSim:
         self.deployments, self.scalers = [], []
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
-            dep = Deployment(i, sizing, tier, log, replica_factory, router, scenario.ingress_slots, host)
+            dep = Deployment(i, sizing, tier, log, replica_factory, router, scenario.ingress_slots, host,
+                             session_keys=model.session_keys)
             wanted = (initial_replicas[i] if initial_replicas is not None
                       else self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i]))
             for _ in range(wanted):

@@ -28,7 +28,9 @@ class ModelTraffic:
     requests are turns of conversations, ``turns`` on average, a turn at least
     ``turn_gap_s`` after the previous one (``conversations.py``): a later turn's prompt is the
     previous prompt, its answer and ``prompt_tokens`` of new message; with ``closed_loop`` a turn is
-    also sent no sooner than ``turn_gap_s`` after the previous turn's answer ended."""
+    also sent no sooner than ``turn_gap_s`` after the previous turn's answer ended. With
+    ``session_keys`` each request carries its conversation's ``prompt_cache_key`` (the session
+    term of the prefix-aware routers)."""
 
     name: str
     preset: str
@@ -40,6 +42,7 @@ class ModelTraffic:
     turns: float = 1.0
     turn_gap_s: float = 60.0
     closed_loop: bool = False
+    session_keys: bool = False
 
     @property
     def mean_prompt_len(self) -> float:

@@ -16,6 +16,7 @@ from kvserve.fleetsim.conversations import add_conversations, conversation_of
 from kvserve.fleetsim.fleet import FleetSim
 from kvserve.fleetsim.log import DONE, RequestLog
 from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
+from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.run import prepare, run_policy
 from kvserve.fleetsim.sched_replica import BLOCK_SIZE, SchedulerReplica
 from kvserve.fleetsim.traffic import draw_requests
@@ -125,3 +126,33 @@ def test_a_closed_loop_sends_later_turns_later_when_the_fleet_is_slow():
     assert ttft["closed"] < 0.9 * ttft["open"], ttft                 # the slower fleet sees less load
     again, _ = _one_replica(True)
     assert again.arrival == closed.arrival and again.finish_s == closed.finish_s     # deterministic
+
+
+class _Recording(BatchReplica):
+    """A replica without a prefix cache (so no cache events) that notes the requests it is given."""
+
+    def __init__(self, name, sizing, log, served: dict):
+        super().__init__(name, sizing, log)
+        self.served = served
+
+    def submit(self, request, now, prompt_ids=None):
+        self.served[request] = self.name
+        return super().submit(request, now, prompt_ids)
+
+
+def _follow_ups_on_the_last_turns_replica(session_keys: bool) -> float:
+    scenario = replace(CHAT, duration_s=90, models=(replace(CHAT.models[0], session_keys=session_keys),))
+    log, served = draw_requests(scenario), {}
+    run_policy(scenario, prepare(scenario), "always_on", functools.partial(_Recording, served=served), log,
+               router="kv_aware")
+    follow_ups = [r for r in range(len(log)) if log.parent[r] >= 0]
+    return float(np.mean([served[r] == served[log.parent[r]] for r in follow_ups]))
+
+
+def test_session_keys_keep_a_conversation_on_its_replica_when_no_cache_tells_the_router():
+    """With ``session_keys`` each turn carries its conversation's ``prompt_cache_key``: the
+    KV-aware router, hearing no cache events here, sends more next turns where the last one ran
+    (the session term, worth 64 prompt tokens against the replicas' queued tokens: measured 55%
+    against 29% without the key, about one in four replicas)."""
+    without, keyed = _follow_ups_on_the_last_turns_replica(False), _follow_ups_on_the_last_turns_replica(True)
+    assert without < 0.4 and keyed > without + 0.15, (without, keyed)
