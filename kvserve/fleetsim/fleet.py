@@ -62,7 +62,7 @@ class FleetSim:
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.serving: list[tuple[float, tuple[int, ...]]] = [(0.0, self._serving())]
         self.rejected = 0
-        gaps = [m.turn_gap_s if m.closed_loop and m.turns > 1.0 else None for m in scenario.models]
+        gaps = [m.turn_gap_s if m.closed_loop else None for m in scenario.models]
         self.turns = TurnGate(log, gaps) if any(g is not None for g in gaps) else None
 
     def _initial_tier(self, name: str) -> ResidencyTier:
