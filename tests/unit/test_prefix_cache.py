@@ -323,12 +323,21 @@ def test_eviction_follows_lru_through_random_traffic_and_its_heap_stays_bounded(
             w.cache.match(NS, toks(*[rng.choice(pairs) for _ in range(rng.randint(1, 4))]))
             w.check()
         elif op < 0.9:
-            first = _least_recent_evictable_leaf(w.cache, w.clock.now)
-            expected = first.block_ids[-1] if first is not None else None
-            dropped = w.cache.evict(rng.randint(1, 4))
-            assert expected is None or dropped[0] == expected
+            everything = rng.random() < 0.2                    # the escape hatch: grace ignored
+            out_of_grace = _least_recent_evictable_leaf(w.cache, w.clock.now)
+            unlocked = _least_recent_evictable_leaf(w.cache, float("inf"))
+            first = out_of_grace.block_ids[-1] if out_of_grace is not None else None
+            oldest = unlocked.block_ids[-1] if unlocked is not None else None
+            dropped = w.cache.evict(rng.randint(1, 4), include_protected=everything)
+            if first is not None:
+                assert dropped[0] == first
+            elif dropped:                                      # grace given up: the oldest graced leaf first
+                assert dropped[0] == oldest
+            if everything:
+                assert bool(dropped) == (oldest is not None)
             w.check()
         else:
             w.clock.now += 1.0
-        assert len(w.cache._lru) <= 2 * len(w.cache._leaves) + 64
+        queue = w.cache._queue
+        assert len(queue.lru) + len(queue.graced) <= 2 * len(w.cache._leaves) + 64
     assert w.cache.stats().num_evicted_blocks > 50

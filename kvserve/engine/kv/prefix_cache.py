@@ -19,14 +19,11 @@ at most ``max_protected_share`` of the pool: when more is protected and a caller
 blocks, the least recently used protected blocks beyond that share become evictable (a
 small pool under load would otherwise fill with finished requests' graces and starve).
 
-Eviction is O(blocks dropped x log leaves), not a scan of the tree: the leaves wait in a heap
-by last use (``_lru``), pushed whenever a leaf is made or touched; an entry whose node has been
-touched, grown a child or been removed since is stale and skipped when it comes up, and the heap
-is rebuilt from the leaf set when stale entries outnumber the leaves.
+Eviction does not scan the tree: the leaves wait in heaps by last use (``leaf_queue.py``),
+pushed whenever a leaf is made or touched, those found within their grace time kept apart.
 """
 from __future__ import annotations
 
-import heapq
 import itertools
 import time
 from collections import deque
@@ -36,6 +33,7 @@ from typing import Callable, Iterable
 from kvserve.engine.kv.block_pool import BlockPool
 from kvserve.engine.kv.cache_events import (BlockRemoved, BlockStored, CacheEvent, CacheNamespace, block_hash,
                                           namespace_seed)
+from kvserve.engine.kv.leaf_queue import LeafQueue
 from kvserve.engine.stats import PrefixSubtree
 
 
@@ -108,8 +106,9 @@ class PrefixCache:
         self._clock = clock
         self._roots: dict[CacheNamespace, _Node] = {}
         self._leaves: set[_Node] = set()      # non-root nodes without children
-        self._lru: list[tuple[int, int, int, _Node]] = []   # (last_access, serial, push, leaf); stale ones too
-        self._pushes = itertools.count()      # a unique last key: a node queued twice is never compared
+        self._queue = LeafQueue()             # the leaves in eviction order
+        # num_protected_blocks while nothing changed: (counted at, valid until, count); None after a change
+        self._protected_memo: tuple[float, float, int] | None = None
         self._tick = itertools.count(1)
         self._serials = itertools.count()
         self._events: deque[CacheEvent] = deque(maxlen=max_pending_events)
@@ -167,6 +166,7 @@ class PrefixCache:
         lower part keeps the node's identity, so handles ending at it stay valid."""
         bs = self.block_size
         cut = num_blocks * bs
+        self._protected_memo = None
         upper = _Node(node.namespace, node.parent, node.token_ids[:cut], node.block_ids[:num_blocks],
                       node.block_hashes[:num_blocks], next(self._serials))
         upper.key, upper.last_access, upper.protected_until = node.key, node.last_access, node.protected_until
@@ -220,6 +220,7 @@ class PrefixCache:
             previous = block_hash(previous, token_ids[i * bs:(i + 1) * bs])
             hashes.append(previous)
         self.block_pool.cache_blocks(block_ids)
+        self._protected_memo = None
         node = _Node(parent.namespace, parent, list(token_ids), list(block_ids), hashes, next(self._serials))
         node.key = key
         parent.children[key] = node
@@ -236,6 +237,7 @@ class PrefixCache:
         """Protect the handle's blocks from eviction until ``unlock`` (locks nest)."""
         if not handle.node.is_root:
             handle.node.lock_count += 1
+            self._protected_memo = None
 
     def unlock(self, handle: PrefixHandle, grace_s: float = 0.0) -> None:
         """Release one lock; the blocks stay protected ``grace_s`` seconds more (a live
@@ -246,6 +248,7 @@ class PrefixCache:
         if node.lock_count <= 0:
             raise RuntimeError("unlock of a prefix handle that is not locked")
         node.lock_count -= 1
+        self._protected_memo = None
         if grace_s > 0:
             node.protected_until = max(node.protected_until, self._clock() + grace_s)
         tick = next(self._tick)
@@ -277,9 +280,20 @@ class PrefixCache:
         ``now``, and of its ancestors, which it pins (only leaves are evicted), unless a
         running request's lock below them holds them anyway. A finished request's prompt
         and its output are inserted as a chain of nodes and grace marks the last one: counting
-        that node alone let a small pool fill with pinned chains past the share."""
+        that node alone let a small pool fill with pinned chains past the share. One walk of
+        the tree, remembered until the tree or a lock changes or the next grace ends."""
         now = self._clock() if now is None else now
-        count, order, stack = 0, [], list(self._roots.values())
+        memo = self._protected_memo
+        if memo is not None and memo[0] <= now < memo[1]:
+            return memo[2]
+        count, next_end = self._count_protected(now)
+        self._protected_memo = (now, next_end, count)
+        return count
+
+    def _count_protected(self, now: float) -> tuple[int, float]:
+        """``num_protected_blocks`` at ``now`` by a walk of the tree, and the next time a grace
+        counted in it ends (infinity if none)."""
+        count, next_end, order, stack = 0, float("inf"), [], list(self._roots.values())
         while stack:                                   # parents before children
             node = stack.pop()
             order.append(node)
@@ -287,6 +301,8 @@ class PrefixCache:
         state: dict[int, tuple[bool, bool]] = {}       # id(node) -> (grace below or here, lock below or here)
         for node in reversed(order):                   # children before parents
             graced = node.lock_count == 0 and node.protected_until > now
+            if graced:
+                next_end = min(next_end, node.protected_until)
             locked = node.lock_count > 0
             for child in node.children.values():
                 child_graced, child_locked = state.pop(id(child))
@@ -294,7 +310,7 @@ class PrefixCache:
             state[id(node)] = (graced, locked)
             if not node.is_root and graced and not locked:
                 count += len(node.block_ids)
-        return count
+        return count, next_end
 
     def evict_namespaces(self, predicate: Callable[[CacheNamespace], bool]) -> list[int]:
         """Drop every unlocked block of the namespaces ``predicate`` selects (e.g. older
@@ -308,23 +324,29 @@ class PrefixCache:
 
     def _evict(self, num_blocks: int, now: float, selected: Callable[[_Node], bool]) -> list[int]:
         """Up to ``num_blocks`` blocks from the least recently used leaves that are unlocked,
-        out of grace at ``now`` and ``selected``; a leaf emptied makes its parent a leaf."""
+        out of grace at ``now`` (``inf``: grace ignored) and ``selected``; a leaf emptied makes
+        its parent a leaf."""
+        queue, ignore_grace = self._queue, now == float("inf")
+        if not ignore_grace:
+            queue.release_ended(now)
         dropped: list[int] = []
-        held: list[tuple[int, int, int, _Node]] = []   # live entries passed over: they go back
-        heap = self._lru
-        while heap and len(dropped) < num_blocks:
-            entry = heapq.heappop(heap)
-            access, _, _, leaf = entry
-            if leaf.last_access != access or leaf.children or not leaf.block_ids:
-                continue                            # stale: touched, grown or removed since
-            if leaf.lock_count or leaf.protected_until > now or not selected(leaf):
-                held.append(entry)
-                continue
-            dropped.extend(self._trim(leaf, num_blocks - len(dropped)))
-            if leaf.block_ids:                      # trimmed, not emptied: still a leaf
-                held.append(entry)
-        for entry in held:
-            heapq.heappush(heap, entry)
+        passed: list = []                           # live entries passed over: they go back
+        while len(dropped) < num_blocks:
+            entry = queue.pop_oldest(with_graced=ignore_grace)
+            if entry is None:
+                break
+            leaf = entry[3]
+            if not queue.is_live(entry) or leaf.lock_count:
+                continue                            # stale, or locked (its unlock queues it again)
+            if leaf.protected_until > now:
+                queue.hold_in_grace(entry)
+            elif not selected(leaf):
+                passed.append(entry)
+            else:
+                dropped.extend(self._trim(leaf, num_blocks - len(dropped)))
+                if leaf.block_ids:                  # trimmed, not emptied: still a leaf
+                    passed.append(entry)
+        queue.requeue(passed)
         return dropped
 
     def _set_access(self, node: _Node, tick: int) -> None:
@@ -342,17 +364,14 @@ class PrefixCache:
             return
         if tick is not None:
             node.last_access = tick
-        if node.children:
-            return
-        heapq.heappush(self._lru, (node.last_access, node.serial, next(self._pushes), node))
-        if len(self._lru) > 2 * len(self._leaves) + 64:
-            self._lru = [(n.last_access, n.serial, next(self._pushes), n) for n in self._leaves]
-            heapq.heapify(self._lru)
+        if not node.children:
+            self._queue.push(node, self._leaves)
 
     def _trim(self, leaf: _Node, max_blocks: int) -> list[int]:
         """Remove up to ``max_blocks`` blocks from the end of ``leaf``; unlink it if empty."""
         num = min(max_blocks, len(leaf.block_ids))
         keep = len(leaf.block_ids) - num
+        self._protected_memo = None
         dropped = leaf.block_ids[keep:][::-1]
         hashes = leaf.block_hashes[keep:][::-1]
         del leaf.block_ids[keep:], leaf.block_hashes[keep:], leaf.token_ids[keep * self.block_size:]
@@ -453,9 +472,12 @@ class PrefixCache:
             raise AssertionError("cache counters disagree with the tree")
         if self._leaves != {n for n in nodes if not n.children}:
             raise AssertionError("leaf set disagrees with the tree")
-        queued = {id(n) for access, _, _, n in self._lru if n.last_access == access}
-        if any(id(leaf) not in queued for leaf in self._leaves):
-            raise AssertionError("a leaf is not on the LRU heap at its last use")
+        queued = self._queue.queued_ids()
+        if any(id(leaf) not in queued for leaf in self._leaves if not leaf.lock_count):
+            raise AssertionError("an unlocked leaf is not queued for eviction at its last use")
+        now = self._clock()
+        if self.num_protected_blocks(now) != self._count_protected(now)[0]:
+            raise AssertionError("the remembered count of protected blocks is stale")
         if locked_handles is not None:
             expected: dict[int, int] = {}
             for handle in locked_handles:
