@@ -61,6 +61,17 @@ def conversation_of(log: RequestLog, request: int) -> int:
     return request
 
 
+def turn_due(log: RequestLog, request: int, gap_s: float | None) -> float:
+    """When ``request`` may be sent: its drawn arrival; in a closed loop (``gap_s`` not None) a
+    later turn no sooner than ``gap_s`` after its previous turn ended, infinity until it has."""
+    parent = log.parent[request]
+    if gap_s is None or parent < 0:
+        return log.arrival[request]
+    if log.status[parent] == PENDING:
+        return float("inf")
+    return max(log.arrival[request], log.finish_s[parent] + gap_s)
+
+
 class TurnGate:
     """The closed loop (module docstring) over ``log``: ``gaps[m]`` is model ``m``'s turn gap if
     its conversations are closed-loop, else None. It sets ``log.ended`` and reads it."""
@@ -73,14 +84,11 @@ class TurnGate:
     def send_time(self, request: int) -> float | None:
         """When ``request`` is sent, asked at its drawn arrival: that arrival, a later time, or
         None while its previous turn has not ended (``released`` gives the time then)."""
-        log = self.log
-        gap, parent = self.gaps[log.model[request]], log.parent[request]
-        if gap is None or parent < 0:
-            return log.arrival[request]
-        if log.status[parent] == PENDING:
-            self.waiting[parent] = request
+        due = turn_due(self.log, request, self.gaps[self.log.model[request]])
+        if due == float("inf"):
+            self.waiting[self.log.parent[request]] = request
             return None
-        return max(log.arrival[request], log.finish_s[parent] + gap)
+        return due
 
     def released(self) -> list[tuple[float, int]]:
         """(send time, request) of each held follow-up whose previous turn ended since the last call."""
@@ -88,7 +96,6 @@ class TurnGate:
         for parent in log.ended:
             request = self.waiting.pop(parent, None)
             if request is not None:
-                sends.append((max(log.arrival[request], log.finish_s[parent] + self.gaps[log.model[request]]),
-                              request))
+                sends.append((turn_due(log, request, self.gaps[log.model[request]]), request))
         log.ended.clear()
         return sends

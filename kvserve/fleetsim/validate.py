@@ -23,9 +23,9 @@ from dataclasses import replace
 import numpy as np
 
 from kvserve.autoscale.capacity import ReplicaCapacity
-from kvserve.fleetsim.conversations import add_conversations
+from kvserve.fleetsim.conversations import add_conversations, turn_due
 from kvserve.fleetsim.fleet import FleetSim
-from kvserve.fleetsim.log import PENDING, RequestLog
+from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import add_prefix_groups, prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
@@ -75,14 +75,14 @@ def run_engine_trace(llm, trace: RequestLog, vocab_size: int, turn_gap_s: float 
         while arrived < len(log) and log.arrival[arrived] <= now:
             waiting.append(arrived)
             arrived += 1
-        for request in [r for r in waiting if _due(log, r, turn_gap_s) <= now]:
+        for request, due in [(r, d) for r in waiting if (d := turn_due(log, r, turn_gap_s)) <= now]:
             waiting.remove(request)
-            log.arrival[request] = _due(log, request, turn_gap_s)
+            log.arrival[request] = due
             sent[request] = _engine_prompt(log, request, vocab_size, turn_gap_s is not None, sent, outputs)
             params = SamplingParams(temperature=0, max_tokens=log.output[request], ignore_eos=True)
             engine.add_request(EngineRequest(str(request), sent[request], params))
         if not engine.has_unfinished():
-            wake = min([_due(log, r, turn_gap_s) for r in waiting] + log.arrival[arrived:arrived + 1])
+            wake = min([turn_due(log, r, turn_gap_s) for r in waiting] + log.arrival[arrived:arrived + 1])
             if wake == float("inf"):
                 raise RuntimeError("a turn waits for a previous turn that was never added")
             time.sleep(max(0.0, wake - now))
@@ -98,17 +98,6 @@ def run_engine_trace(llm, trace: RequestLog, vocab_size: int, turn_gap_s: float 
             if u.finish_reason is not None:
                 log.finish(request, done)
     return log
-
-
-def _due(log: RequestLog, request: int, turn_gap_s: float | None) -> float:
-    """When ``request`` may be added: its drawn arrival, or in a closed loop no sooner than
-    ``turn_gap_s`` after its previous turn finished (infinity while that turn runs)."""
-    parent = log.parent[request]
-    if turn_gap_s is None or parent < 0:
-        return log.arrival[request]
-    if log.status[parent] == PENDING:
-        return float("inf")
-    return max(log.arrival[request], log.finish_s[parent] + turn_gap_s)
 
 
 def _engine_prompt(log: RequestLog, request: int, vocab_size: int, closed_loop: bool, sent: dict,
@@ -132,8 +121,7 @@ def simulate_trace(trace: RequestLog, cost, max_num_seqs: int, max_batched_token
     sizing = ReplicaSizing("engine", 1, max_num_seqs, max_batched_tokens, kv_tokens, cost,
                            ReplicaCapacity(1.0, 1.0), 0.0, ColdStartLayers(0.0, 0.0, 0.0, 0.0))
     log = trace.fresh()
-    model = ModelTraffic("engine", "smollm2-135m", closed_loop=turn_gap_s is not None,
-                         turn_gap_s=turn_gap_s if turn_gap_s is not None else 60.0)
+    model = ModelTraffic("engine", "smollm2-135m", closed_loop=turn_gap_s is not None, turn_gap_s=turn_gap_s or 0.0)
     scenario = Scenario(name="trace", models=(model,), duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0)
     sim = FleetSim(replace(scenario, policies=("always_on",)), "always_on", [sizing], log,
                    {"engine": None}, [0.0], [0.0], replica_factory)
