@@ -46,6 +46,7 @@ from benchmarks.server_process import ServerProcess  # noqa: E402
 
 KV_CACHE_GIB = 0.25
 IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
+IDLE_WINDOWS = 6            # ... in this many windows, the background their median (a burst is not background)
 
 
 def host_cores() -> int:
@@ -79,7 +80,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
-    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, process_cpu, read_cpu
+    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
     from kvserve.loader.api import default_model_path
@@ -91,11 +92,9 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     trace, probe = phased_trace(phases, 128.0, 24.0, seed), probe_trace(args.max_num_seqs)
     vocab = simulate.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
-        idle_from = read_cpu()
-        time.sleep(IDLE_S)
-        idle_to = read_cpu()
+        idle = idle_readings(IDLE_S, IDLE_WINDOWS)
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1))
-        plane = PlaneFit.measure(idle_from, idle_to, read_cpu(), sum(probe.output))
+        plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         snapshots = []
         measured, served_by, changes = asyncio.run(replay_and_watch(
             cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu())))

@@ -31,7 +31,8 @@ from collections import Counter
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fleet_sim_cluster import IDLE_S, KV_CACHE_GIB, ClusterSimulator, host_cores, profile  # noqa: E402
+from benchmarks.fleet_sim_cluster import (IDLE_S, IDLE_WINDOWS, KV_CACHE_GIB, ClusterSimulator,  # noqa: E402
+                                          host_cores, profile)
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 REPLICAS, MAX_NUM_SEQS = 2, 4
@@ -50,7 +51,7 @@ def run_router(router: str, hw_path: str, trace) -> dict:
     from kvserve.cli import build_parser
     from kvserve.cluster.admission import fleet_slots
     from kvserve.fleetsim.cluster_check import simulate_fixed
-    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, read_cpu
+    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, idle_readings, read_cpu
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
     from kvserve.fleetsim.log import REJECTED
     from kvserve.fleetsim.replay import replay_trace
@@ -68,11 +69,9 @@ def run_router(router: str, hw_path: str, trace) -> dict:
 
     probe, vocab = probe_trace(MAX_NUM_SEQS), costs.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
-        idle_from = read_cpu()
-        time.sleep(IDLE_S)
-        idle_to = read_cpu()
+        idle = idle_readings(IDLE_S, IDLE_WINDOWS)
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=1))
-        plane = PlaneFit.measure(idle_from, idle_to, read_cpu(), sum(probe.output))
+        plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         measured, served_by = asyncio.run(replay_trace(cluster.url, trace, vocab, seed=0))
     fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill),
                    one_at_a_time=len(probe) - MAX_NUM_SEQS)

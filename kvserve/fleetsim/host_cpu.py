@@ -14,9 +14,11 @@ where ``k`` replicas are starting, each busy with ``start`` cores (a new replica
 weight loading and warm-up; Ray's worker and the engine process it spawns).
 
 ``PlaneFit`` measures ``c`` and ``b`` in place (``host_fit``'s probe): ``b`` = the machine's busy
-cores (``/proc/stat``) while the cluster idles; ``c`` = the machine's busy core-seconds over
-the probe, less the background and the engine processes' own CPU (``/proc/PID/stat`` of every
-process running ``kvserve.ipc.engine_proc``), per token the probe streamed.
+cores (``/proc/stat``) while the cluster idles, the median over short windows (``idle_readings``)
+so that one burst of a Ray process does not count as background for the whole probe; ``c`` =
+the machine's busy core-seconds over the probe, less the background and the engine processes'
+own CPU (``/proc/PID/stat`` of every process running ``kvserve.ipc.engine_proc``), per token
+the probe streamed.
 
 ``start`` is measured where the replicas start (``new_processes_cpu_s``: the core-seconds of the
 processes that appeared, or took on a new command line, between two ``process_cpu`` snapshots
@@ -31,7 +33,9 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 ENGINE_MARKER = "kvserve.ipc.engine_proc"       # the engine process's command line (server/engine_client.py)
@@ -92,6 +96,15 @@ def read_cpu() -> CpuReading:
     return CpuReading(time.perf_counter(), machine_busy_s(), engines_cpu_s())
 
 
+def idle_readings(seconds: float, windows: int) -> list[CpuReading]:
+    """``windows + 1`` readings ``seconds / windows`` apart, the caller idle meanwhile."""
+    readings = [read_cpu()]
+    for _ in range(windows):
+        time.sleep(seconds / windows)
+        readings.append(read_cpu())
+    return readings
+
+
 @dataclass(frozen=True)
 class PlaneFit:
     """The serving plane's CPU: ``background_cores`` while idle, ``cpu_s_per_token`` streamed."""
@@ -100,14 +113,16 @@ class PlaneFit:
     cpu_s_per_token: float
 
     @classmethod
-    def measure(cls, idle_from: CpuReading, idle_to: CpuReading, probe_to: CpuReading,
-                tokens_streamed: int) -> "PlaneFit":
-        """From readings at the start and end of an idle spell and at the end of a probe that
-        followed it (starting at ``idle_to``) and streamed ``tokens_streamed`` tokens."""
-        idle_wall = idle_to.wall_s - idle_from.wall_s
-        background = max(0.0, (idle_to.machine_busy_s - idle_from.machine_busy_s) / idle_wall) if idle_wall > 0 else 0.0
-        probe_wall = probe_to.wall_s - idle_to.wall_s
-        plane = (probe_to.machine_busy_s - idle_to.machine_busy_s) - (probe_to.engines_s - idle_to.engines_s) \
+    def measure(cls, idle: Sequence[CpuReading], probe_to: CpuReading, tokens_streamed: int) -> "PlaneFit":
+        """From readings taken while the cluster idled (``idle_readings``; the background is the
+        median of their windows' busy cores) and at the end of a probe that followed them
+        (starting at ``idle[-1]``) and streamed ``tokens_streamed`` tokens."""
+        rates = [(b.machine_busy_s - a.machine_busy_s) / (b.wall_s - a.wall_s)
+                 for a, b in zip(idle, idle[1:]) if b.wall_s > a.wall_s]
+        background = max(0.0, statistics.median(rates)) if rates else 0.0
+        probe_from = idle[-1]
+        probe_wall = probe_to.wall_s - probe_from.wall_s
+        plane = (probe_to.machine_busy_s - probe_from.machine_busy_s) - (probe_to.engines_s - probe_from.engines_s) \
             - background * probe_wall
         return cls(background, max(0.0, plane) / max(1, tokens_streamed))
 

@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.fleetsim.deployment import Deployment
-from kvserve.fleetsim.host_cpu import (CpuReading, PlaneFit, SharedHost, engines_cpu_s, machine_busy_s,
+from kvserve.fleetsim.host_cpu import (CpuReading, PlaneFit, SharedHost, engines_cpu_s, idle_readings, machine_busy_s,
                                        new_processes_cpu_s, process_cpu)
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.run import prepare
@@ -85,12 +85,28 @@ def test_a_deployment_tells_its_host_when_a_replica_starts_and_when_it_serves_or
 
 
 def test_the_plane_fit_is_the_busy_cpu_less_engines_and_background_per_token():
-    idle_from = CpuReading(0.0, 100.0, 50.0)
-    idle_to = CpuReading(2.0, 100.2, 50.0)               # 0.1 cores in the background
+    idle = [CpuReading(0.0, 100.0, 50.0), CpuReading(1.0, 100.1, 50.0),
+            CpuReading(2.0, 100.2, 50.0)]               # 0.1 cores in the background
     probe_to = CpuReading(12.0, 111.2, 59.0)             # 11 busy core-seconds, 9 of them the engine's
-    fit = PlaneFit.measure(idle_from, idle_to, probe_to, tokens_streamed=200)
+    fit = PlaneFit.measure(idle, probe_to, tokens_streamed=200)
     assert fit.background_cores == pytest.approx(0.1)
     assert fit.cpu_s_per_token == pytest.approx((11.0 - 9.0 - 0.1 * 10.0) / 200)
+
+
+def test_a_burst_while_idle_is_not_background():
+    # one window of five had a Ray process busy for 0.8 core-seconds: the median ignores it
+    idle = [CpuReading(float(t), 100.0 + 0.1 * t + (0.8 if t >= 3 else 0.0), 50.0) for t in range(6)]
+    probe_to = CpuReading(15.0, idle[-1].machine_busy_s + 11.0, 59.0)
+    fit = PlaneFit.measure(idle, probe_to, tokens_streamed=200)
+    assert fit.background_cores == pytest.approx(0.1)
+    assert fit.cpu_s_per_token == pytest.approx((11.0 - 9.0 - 0.1 * 10.0) / 200)
+
+
+def test_idle_readings_are_evenly_spaced():
+    readings = idle_readings(0.2, 4)
+    assert len(readings) == 5
+    gaps = [b.wall_s - a.wall_s for a, b in zip(readings, readings[1:])]
+    assert all(g >= 0.05 for g in gaps)
 
 
 def test_machine_busy_reads_proc_stat(tmp_path):
