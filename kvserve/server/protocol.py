@@ -70,6 +70,7 @@ class GenerateSpec:
     deadline_s: float | None = None
     priority: int = 0
     use_prefix_cache: bool = True               # vLLM-style extension: false opts out of the prefix cache
+    return_token_ids: bool = False              # vLLM's extension: bodies carry prompt_token_ids and token_ids
     num_speculative_tokens: int | None = None   # extension: most drafts per step (0 = off; None = server's)
     service_class: ServiceClass | None = None   # asked for with service_tier; None = not asked (key's pin or chat)
     tools: ToolConfig | None = None             # chat: tool calling (None: none; see server/tools.py)
@@ -292,6 +293,7 @@ COMMON_FIELDS: dict[str, Callable] = {
     "store": check_store,
     "safety_identifier": _string(MAX_USER_CHARS),
     "prompt_cache_key": _string(MAX_USER_CHARS),
+    "return_token_ids": _bool,                    # vLLM's extension: the prompt's and each choice's token ids
     "guided_json": _guided_json,                  # vLLM's structured-output extensions
     "guided_regex": _guided_regex,
     "guided_choice": _guided_choice,
@@ -418,6 +420,7 @@ def parse_completion(body: dict) -> GenerateSpec:
                         prompt_cache_key=values.get("prompt_cache_key"),
                         deadline_s=values.get("deadline_s"), priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
+                        return_token_ids=bool(values.get("return_token_ids")),
                         num_speculative_tokens=values.get("num_speculative_tokens"),
                         service_class=values.get("service_tier"), structured=structured_from(values))
 
@@ -454,6 +457,7 @@ def parse_chat(body: dict) -> GenerateSpec:
                         prompt_cache_key=values.get("prompt_cache_key"),
                         priority=values.get("priority") or 0,
                         use_prefix_cache=values.get("use_prefix_cache") is not False,
+                        return_token_ids=bool(values.get("return_token_ids")),
                         num_speculative_tokens=values.get("num_speculative_tokens"),
                         service_class=values.get("service_tier"), structured=structured_from(values))
 

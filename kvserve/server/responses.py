@@ -147,12 +147,16 @@ class ResponseBuilder:
     """Builds the bodies of one request: same id, created time, model and ``service_tier``
     (the tier of the class the request ran in; None: the field is left out) throughout.
     ``skip_special_tokens`` is the request's: chat logprobs leave out the end-of-turn token
-    exactly when the content does (``_shown``)."""
+    exactly when the content does (``_shown``). With ``return_token_ids`` (vLLM's extension)
+    each choice carries its ``token_ids`` (streamed: each chunk its new ones) and the prompt's
+    ``prompt_token_ids`` go on the completions choice, or on the chat body (streamed: with a
+    choice's first chunk)."""
 
     def __init__(self, kind: str, request_id: str, model: str, speller: TokenSpeller, logprobs: int | None,
                  n: int, service_tier: str | None = None, tools: ToolConfig | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, return_token_ids: bool = False):
         self.kind, self.id, self.model = kind, request_id, model
+        self.return_token_ids = return_token_ids
         self.skip_special_tokens = skip_special_tokens
         self.tools = tools                               # chat tool calling: messages carry tool_calls
         self._tool_streams: dict[int, ToolCallStream] = {}
@@ -180,17 +184,32 @@ class ResponseBuilder:
 
     # ------------------------------------------------------------ whole bodies
     def completion_choice(self, index: int, completion: CompletionOutput, prefix: str = "",
-                          echo_logprobs: dict | None = None) -> dict:
+                          echo_logprobs: dict | None = None, prompt_ids: list[int] | None = None) -> dict:
         """One whole completions choice; ``echo_logprobs`` (from :meth:`echo_logprobs`)
-        leads the logprobs when the prompt is echoed."""
+        leads the logprobs when the prompt is echoed; ``prompt_ids``: its prompt's ids."""
         logprobs = None
         if self.logprobs is not None and completion.logprobs is not None:
             logprobs = completion_logprobs(self.speller, completion.token_ids, completion.logprobs,
                                            self.logprobs, len(prefix))
             if echo_logprobs is not None:
                 logprobs = {key: echo_logprobs[key] + logprobs[key] for key in logprobs}
-        return {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
-                "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        choice = {"index": index, "text": prefix + completion.text, "logprobs": logprobs,
+                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        return self._with_ids(choice, choice, completion.token_ids, prompt_ids)
+
+    def _with_ids(self, body: dict, choice: dict, token_ids: list[int], prompt_ids: list[int] | None) -> dict:
+        """``body`` with ``choice`` (one of its choices, or itself) carrying ``token_ids`` and,
+        when given, the prompt's ids, if the request asked for them."""
+        if self.return_token_ids:
+            choice["token_ids"] = list(token_ids)
+            if prompt_ids is not None:
+                (choice if self.kind == "completion" else body)["prompt_token_ids"] = list(prompt_ids)
+        return body
+
+    def with_token_ids(self, chunk: dict, token_ids: list[int], prompt_ids: list[int] | None = None) -> dict:
+        """A streamed chunk (of one choice) carrying its new ``token_ids`` and, on a choice's
+        first chunk (``prompt_ids`` given), the prompt's, if the request asked for them."""
+        return self._with_ids(chunk, chunk["choices"][0], token_ids, prompt_ids)
 
     def echo_logprobs(self, prompt_token_ids: list[int], entries: list | None) -> dict | None:
         """The echoed prompt's part of a completions ``logprobs`` object (text offsets from 0)."""
@@ -206,14 +225,19 @@ class ResponseBuilder:
         message, finish_reason = {"role": "assistant", "content": completion.text}, completion.finish_reason
         if self.tools is not None:
             message, finish_reason = final_message(self.tools, completion.text, finish_reason)
-        return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
-                "stop_reason": completion.stop_reason}
+        choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason,
+                  "stop_reason": completion.stop_reason}
+        return self._with_ids(choice, choice, completion.token_ids, None)
 
-    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    def full(self, choices: list[dict], prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+             prompt_ids: list[int] | None = None) -> dict:
+        """The whole body; ``prompt_ids``: a chat request's prompt (its ``prompt_token_ids``)."""
         name = "text_completion" if self.kind == "completion" else "chat.completion"
         body = self._head(name)
         body["choices"] = sorted(choices, key=lambda c: c["index"])
         body["usage"] = usage(prompt_tokens, completion_tokens, cached_tokens)
+        if self.return_token_ids and self.kind == "chat" and prompt_ids is not None:
+            body["prompt_token_ids"] = list(prompt_ids)
         return body
 
     # ------------------------------------------------------------------ chunks

@@ -194,7 +194,8 @@ class Generation:
         self.filtered: dict[int, str] = {}          # choice index -> "content_filter" once a guard stopped it
         self.builder = ResponseBuilder(spec.kind, self.id, adapter or ctx.model_name, ctx.speller, spec.logprobs,
                                        spec.params.n, tier_for_class(service_class), tools=spec.tools,
-                                       skip_special_tokens=spec.params.skip_special_tokens)
+                                       skip_special_tokens=spec.params.skip_special_tokens,
+                                       return_token_ids=spec.return_token_ids)
         self._deadline_handle: asyncio.TimerHandle | None = None
         self._seen_choice: set[int] = set()
         self.screen = output_screen(ctx, tenant, self.account.record, self.builder)   # None: no output guards
@@ -332,10 +333,12 @@ class Generation:
                 if self.screen is not None:
                     completion = self.screen.screened(index, completion, self.filtered)
                 if self.spec.kind == "completion":
-                    choices.append(self.builder.completion_choice(index, completion, prefix, echo_lps))
+                    choices.append(self.builder.completion_choice(index, completion, prefix, echo_lps,
+                                                                  self.prompts[tag].token_ids))
                 else:
                     choices.append(self.builder.chat_choice(index, completion))
-        return self.builder.full(choices, self.num_prompt_tokens, self._completion_tokens(), self._cached_tokens())
+        return self.builder.full(choices, self.num_prompt_tokens, self._completion_tokens(), self._cached_tokens(),
+                                 self.prompts[0].token_ids)
 
     def _echo_prefix(self, tag: int) -> str:
         if not self.spec.echo:
@@ -415,13 +418,17 @@ class Generation:
         return chunks
 
     def _delta_chunk(self, tag: int, delta: CompletionDelta) -> bytes | None:
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        """The chunk of one delta (None: nothing to send; with ``return_token_ids`` a delta whose
+        text is held back still sends its ids)."""
+        if not delta.text and delta.finish_reason is None and not delta.logprobs \
+                and not (self.spec.return_token_ids and delta.token_ids):
             return None
         index = self.builder.choice_index(tag, delta.index)
         first = index not in self._seen_choice
         self._seen_choice.add(index)
-        return sse(self.builder.chunk(index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason,
-                                      delta.stop_reason, role=first and self.spec.kind == "chat"))
+        chunk = self.builder.chunk(index, delta.text, delta.token_ids, delta.logprobs, delta.finish_reason,
+                                   delta.stop_reason, role=first and self.spec.kind == "chat")
+        return sse(self.builder.with_token_ids(chunk, delta.token_ids, self.prompts[tag].token_ids if first else None))
 
     async def _screen_delta(self, tag: int, delta: CompletionDelta, chunks: list[bytes]) -> list[bytes]:
         """The chunks to send now: without guards, ``chunks``; with them, the chunks held

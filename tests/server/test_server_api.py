@@ -5,6 +5,7 @@ One server for the module (API key on, small KV budget, short outputs).
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -425,3 +426,73 @@ def test_fuzz_raw_headers_and_requests_never_5xx(server):
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3,
                                           "temperature": 0, "ignore_eos": True})
     assert r.status_code == 200 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+# ------------------------------------------------------------ token ids
+def _post(server, path: str, body: dict) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"})
+
+
+def _streamed_ids(server, path: str, body: dict) -> tuple[dict[int, list[int]], list, list]:
+    """(each choice's streamed token_ids joined, the prompt_token_ids sent, every chunk) of a stream."""
+    ids: dict[int, list[int]] = {}
+    prompts, chunks = [], []
+    with httpx.stream("POST", server.url + path, json={**body, "stream": True}, timeout=300,
+                      headers={"Authorization": f"Bearer {API_KEY}"}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            chunks.append(chunk)
+            for choice in chunk["choices"]:
+                ids.setdefault(choice["index"], []).extend(choice.get("token_ids", []))
+                prompts += [choice["prompt_token_ids"]] if "prompt_token_ids" in choice else []
+            prompts += [chunk["prompt_token_ids"]] if "prompt_token_ids" in chunk else []
+    return ids, prompts, chunks
+
+
+def test_return_token_ids_whole_and_streamed(server):
+    """``return_token_ids``: each choice's ids decode to its text and count as its completion
+    tokens; the prompts' ids are the tokenizer's; streamed, the chunks' ids join to the whole
+    body's and the prompt's ids come once per choice; without the flag no ids are sent."""
+    texts = ["Write 5 emoji: ", "日本の首都は"]               # multi-byte characters: text held back
+    body = {"model": MODEL, "prompt": texts, "max_tokens": 12, "temperature": 0, "return_token_ids": True}
+    whole = _post(server, "/v1/completions", body).json()
+    text_ids = [_post(server, "/tokenize", {"prompt": t}).json()["tokens"] for t in texts]
+    by_index = {c["index"]: c for c in whole["choices"]}
+    assert [by_index[i]["prompt_token_ids"] for i in (0, 1)] == text_ids
+    assert sum(len(c["token_ids"]) for c in whole["choices"]) == whole["usage"]["completion_tokens"]
+    for c in whole["choices"]:
+        assert _post(server, "/detokenize", {"tokens": c["token_ids"]}).json()["prompt"] == c["text"]
+    streamed, prompts, _ = _streamed_ids(server, "/v1/completions", body)
+    assert streamed == {i: by_index[i]["token_ids"] for i in (0, 1)}
+    assert sorted(prompts) == sorted(text_ids)
+    ids_prompt = [504, 3458, 28]
+    as_ids = _post(server, "/v1/completions", {**body, "prompt": ids_prompt}).json()["choices"][0]
+    assert as_ids["prompt_token_ids"] == ids_prompt and len(as_ids["token_ids"]) == 12
+    messages = [{"role": "user", "content": "Name a colour."}]
+    chat_body = {"model": MODEL, "messages": messages, "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    chat = _post(server, "/v1/chat/completions", chat_body).json()
+    rendered = _post(server, "/tokenize", {"messages": messages, "add_generation_prompt": True}).json()["tokens"]
+    assert chat["prompt_token_ids"] == rendered
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    streamed, prompts, _ = _streamed_ids(server, "/v1/chat/completions", chat_body)
+    assert streamed == {0: chat["choices"][0]["token_ids"]} and prompts == [rendered]
+    plain = _post(server, "/v1/completions", {**body, "return_token_ids": False}).json()
+    assert all("token_ids" not in c and "prompt_token_ids" not in c for c in plain["choices"])
+    _, prompts, chunks = _streamed_ids(server, "/v1/completions", {**body, "return_token_ids": False})
+    assert not prompts and all("token_ids" not in c for chunk in chunks for c in chunk["choices"])
+    assert _post(server, "/v1/completions", {**body, "return_token_ids": 1}).status_code == 400
+
+
+def test_a_turn_sent_as_the_models_own_ids_hits_the_prefix_cache(server):
+    """The use the ids serve: the next turn as prompt ids + the model's ids + new ids finds the
+    previous turn's blocks, its answer's included, in the prefix cache."""
+    body = {"model": MODEL, "prompt": "Once upon a time, in a quiet village by the sea,", "max_tokens": 40,
+            "temperature": 0, "return_token_ids": True, "ignore_eos": True}
+    first = _post(server, "/v1/completions", body).json()["choices"][0]
+    history = first["prompt_token_ids"] + first["token_ids"]
+    second = _post(server, "/v1/completions", {"model": MODEL, "prompt": history + [504, 3458], "max_tokens": 1,
+                                               "temperature": 0}).json()
+    cached = second["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert len(first["prompt_token_ids"]) < cached <= len(history)
