@@ -12,7 +12,13 @@ replicas running the engine's scheduler and prefix cache, placed by the same rou
 their cache events), on the fitted host (``cluster_check.simulate_fixed``).
 
     .venv/bin/python benchmarks/fleet_sim_cluster_prefix.py [--hardware PATH] [--requests 120]
-        [--rate 1.0] [--prefix-groups 32] [--prefix-tokens 512]
+        [--rate 1.0] [--prefix-groups 32] [--prefix-tokens 512] [--turns 1] [--turn-gap 2.0]
+
+With ``--turns T`` (> 1) the trace is conversations of T turns on average, played closed loop on
+both sides (``replay.replay_trace(turn_gap_s=)``: a later turn is sent ``--turn-gap`` seconds
+after its previous answer ended, carrying the ids the cluster answered with;
+``cluster_check.simulate_fixed(turn_gap_s=)``): where each conversation's history is cached is
+then up to the router.
 
 Prints one JSON object: per router, measured and simulated share of prompt tokens served from
 cache, TTFT p50 / p99 and TPOT p50 with their ratios (simulated / measured), the host fit; and
@@ -45,7 +51,7 @@ def cluster_flags(router: str) -> list[str]:
             "--replicas", str(REPLICAS), "--router", router, "--no-ladder"]
 
 
-def run_router(router: str, hw_path: str, trace) -> dict:
+def run_router(router: str, hw_path: str, trace, turn_gap_s: float | None = None) -> dict:
     """The probe and the trace on the cluster with ``router``, the fit, the simulation, the
     comparison."""
     from kvserve.cli import build_parser
@@ -65,14 +71,14 @@ def run_router(router: str, hw_path: str, trace) -> dict:
         cm = costs.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         return simulate_fixed(log, cm, MAX_NUM_SEQS, args.max_num_batched_tokens, kv_tokens, REPLICAS, router,
-                              path_latency_s, host, True, slots, args.queue_wait_s)
+                              path_latency_s, host, True, slots, args.queue_wait_s, turn_gap_s)
 
     probe, vocab = probe_trace(MAX_NUM_SEQS), costs.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=1))
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
-        measured, served_by = asyncio.run(replay_trace(cluster.url, trace, vocab, seed=0))
+        measured, served_by = asyncio.run(replay_trace(cluster.url, trace, vocab, seed=0, turn_gap_s=turn_gap_s))
     fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill),
                    one_at_a_time=len(probe) - MAX_NUM_SEQS)
     simulated = simulate(trace, fit.slowdown, fit.seq_extra_s, fit.prefill_slowdown, fit.path_latency_s,
@@ -89,14 +95,22 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=1.0, help="arrivals per second")
     parser.add_argument("--prefix-groups", type=int, default=32)
     parser.add_argument("--prefix-tokens", type=int, default=512)
+    parser.add_argument("--prompt-mean", type=float, default=64.0, help="a request's own prompt tokens, mean")
+    parser.add_argument("--output-mean", type=float, default=16.0)
+    parser.add_argument("--turns", type=float, default=1.0, help="> 1: conversations, closed loop")
+    parser.add_argument("--turn-gap", type=float, default=2.0, help="seconds from an answer to the next turn")
     args = parser.parse_args()
     from kvserve.fleetsim.validate import make_trace
     hw_path = args.hardware or profile()
-    trace = make_trace(args.requests, args.rate, 64.0, 16.0, prefix_groups=args.prefix_groups,
-                       prefix_tokens=args.prefix_tokens)
+    conversations = args.turns > 1.0
+    trace = make_trace(args.requests, args.rate, args.prompt_mean, args.output_mean, prefix_groups=args.prefix_groups,
+                       prefix_tokens=args.prefix_tokens, turns=args.turns, turn_gap_s=args.turn_gap)
+    gap = args.turn_gap if conversations else None
     result = {"requests": args.requests, "rate_per_s": args.rate, "prefix_groups": args.prefix_groups,
-              "prefix_tokens": args.prefix_tokens, "replicas": REPLICAS, "kv_cache_gib": KV_CACHE_GIB,
-              "routers": {router: run_router(router, hw_path, trace) for router in ROUTERS}}
+              "prefix_tokens": args.prefix_tokens, "prompt_mean": args.prompt_mean, "output_mean": args.output_mean,
+              "turns": args.turns, "turn_gap_s": gap, "later_turns": sum(p >= 0 for p in trace.parent),
+              "replicas": REPLICAS, "kv_cache_gib": KV_CACHE_GIB,
+              "routers": {router: run_router(router, hw_path, trace, gap) for router in ROUTERS}}
     spread, aware = (result["routers"][r] for r in ROUTERS)
     result["kv_aware_ttft_p50_gain"] = {side: round(spread[side]["p50_ttft_s"] / aware[side]["p50_ttft_s"], 3)
                                         for side in ("measured", "simulated")}

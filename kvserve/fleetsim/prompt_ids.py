@@ -45,6 +45,18 @@ def prompt_token_ids(log: RequestLog, request: int, vocab_size: int = DEFAULT_VO
     return ids
 
 
+def continued_prompt(log: RequestLog, request: int, history: list[int], vocab_size: int = DEFAULT_VOCAB,
+                     salt: int = 0) -> list[int]:
+    """A later turn's prompt as a real engine or server is sent it in a closed loop: ``history``
+    (the ids the previous turn was sent, then the ids it was answered with), then the turn's own
+    tokens (``prompt_token_ids``'s). A history cut short (a refused or broken turn) is filled
+    with ``REPLY_ID``, so the prompt keeps the trace's length."""
+    ids = prompt_token_ids(log, request, vocab_size, salt)
+    parent = log.parent[request]
+    length = log.prompt[parent] + log.output[parent]
+    return (history + [REPLY_ID] * length)[:length] + ids[length:]
+
+
 def add_prefix_groups(log: RequestLog, rng: np.random.Generator, groups: int, prefix_tokens: int,
                       requests=None) -> RequestLog:
     """Give ``requests`` of ``log`` (default: all) a shared prefix of ``prefix_tokens`` tokens, each

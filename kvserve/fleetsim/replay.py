@@ -5,9 +5,15 @@ never waits for an earlier one) to ``/v1/completions`` as a streamed completion 
 (``prompt_ids.prompt_token_ids``: its group's shared prefix if it has one, then tokens of its
 own; ``seed`` salts them, so a probe and a trace share nothing) with ``max_tokens`` = ``output``
 and ``ignore_eos``, and fills a copy of the log with each request's first-token and finish
-times (seconds from the trace's start, the first chunk that carries text) and the prompt tokens
-the engine's prefix cache served (the stream's ``usage``). A request the server refuses or
-breaks is marked rejected.
+times (seconds from the trace's start, the first chunk that carries text or token ids) and the
+prompt tokens the engine's prefix cache served (the stream's ``usage``). A request the server
+refuses or breaks is marked rejected.
+
+With ``turn_gap_s`` a trace of conversations is played closed loop, as ``validate`` plays it into
+an engine: a later turn is sent no sooner than the gap after its previous turn's answer ended
+(``conversations.turn_due``; its arrival becomes that time), and its prompt carries what the
+cluster answered (``prompt_ids.continued_prompt``: the previous turn's ids, the answer's ids the
+server returned with ``return_token_ids``, then its own).
 
 ``watch_replicas`` polls the ingress's ``GET /cluster/status`` (Ray Serve's own view, answered by
 the ingress without touching a replica) and records the engine deployment's replicas by state
@@ -22,8 +28,9 @@ from typing import Callable
 import httpx
 import numpy as np
 
+from kvserve.fleetsim.conversations import turn_due
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import prompt_token_ids
+from kvserve.fleetsim.prompt_ids import continued_prompt, prompt_token_ids
 from kvserve.loadgen.sse import sse_events
 
 POLL_EVERY_S = 1.0
@@ -31,55 +38,92 @@ REPLICA_HEADER = "x-kvserve-replica"
 
 
 def request_body(prompt_ids: list[int], max_tokens: int, model: str | None) -> dict:
-    """A streamed greedy completion of ``prompt_ids`` producing exactly ``max_tokens`` tokens."""
+    """A streamed greedy completion of ``prompt_ids`` producing exactly ``max_tokens`` tokens,
+    its ids returned (a closed loop's next turn carries them)."""
     body = {"prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
-            "stream_options": {"include_usage": True}}
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
     if model:
         body["model"] = model
     return body
 
 
-async def _one(client: httpx.AsyncClient, url: str, body: dict, request: int, log: RequestLog, t0: float,
-               served_by: list) -> None:
-    try:
-        async with client.stream("POST", url, json=body) as response:
-            served_by[request] = response.headers.get(REPLICA_HEADER)
-            if response.status_code != 200:
-                await response.aread()
-                log.reject(request, time.perf_counter() - t0)
-                return
-            async for event in sse_events(response):
-                if "error" in event:
-                    log.reject(request, time.perf_counter() - t0)
+class _Replay:
+    """One replay of a trace (``replay_trace``): the log it fills, the clock, and per request
+    the replica that answered, the ids it was sent and the ids it got back."""
+
+    def __init__(self, client: httpx.AsyncClient, url: str, trace: RequestLog, vocab_size: int,
+                 model: str | None, seed: int, t0: float, turn_gap_s: float | None):
+        self.client, self.url, self.model, self.seed, self.t0 = client, url, model, seed, t0
+        self.vocab_size, self.turn_gap_s = vocab_size, turn_gap_s
+        self.log = trace.fresh()
+        self.served_by: list[str | None] = [None] * len(trace)
+        self.sent: dict[int, list[int]] = {}
+        self.outputs: dict[int, list[int]] = {r: [] for r in range(len(trace))}
+        self.ended = [asyncio.Event() for _ in range(len(trace))]
+
+    def now(self) -> float:
+        return time.perf_counter() - self.t0
+
+    async def turn(self, request: int) -> None:
+        """Send ``request`` when it is due (``conversations.turn_due``: its arrival, or in a
+        closed loop its previous turn's end plus the gap; the arrival becomes that time), with
+        its prompt (``continued_prompt`` in a closed loop), and read its answer."""
+        log, parent = self.log, self.log.parent[request]
+        await asyncio.sleep(max(0.0, log.arrival[request] - self.now()))
+        if self.turn_gap_s is not None and parent >= 0:
+            await self.ended[parent].wait()
+            due = turn_due(log, request, self.turn_gap_s)
+            await asyncio.sleep(max(0.0, due - self.now()))
+            log.arrival[request] = due
+            ids = continued_prompt(log, request, self.sent[parent] + self.outputs[parent], self.vocab_size,
+                                   self.seed)
+        else:
+            ids = prompt_token_ids(log, request, self.vocab_size, salt=self.seed)
+        self.sent[request] = ids
+        try:
+            await self._read(request, request_body(ids, log.output[request], self.model))
+        finally:
+            self.ended[request].set()
+
+    async def _read(self, request: int, body: dict) -> None:
+        log = self.log
+        try:
+            async with self.client.stream("POST", self.url, json=body) as response:
+                self.served_by[request] = response.headers.get(REPLICA_HEADER)
+                if response.status_code != 200:
+                    await response.aread()
+                    log.reject(request, self.now())
                     return
-                texts = [c.get("text") for c in event.get("choices") or []]
-                if any(texts) and np.isnan(log.first_token_s[request]):
-                    log.first_token(request, time.perf_counter() - t0)
-                details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
-                log.cached_tokens[request] = details.get("cached_tokens", log.cached_tokens[request])
-        log.finish(request, time.perf_counter() - t0)
-    except httpx.HTTPError:
-        log.reject(request, time.perf_counter() - t0)
+                async for event in sse_events(response):
+                    if "error" in event:
+                        log.reject(request, self.now())
+                        return
+                    choices = event.get("choices") or []
+                    new_ids = [t for c in choices for t in c.get("token_ids") or ()]
+                    self.outputs[request] += new_ids
+                    if (new_ids or any(c.get("text") for c in choices)) and np.isnan(log.first_token_s[request]):
+                        log.first_token(request, self.now())
+                    details = (event.get("usage") or {}).get("prompt_tokens_details") or {}
+                    log.cached_tokens[request] = details.get("cached_tokens", log.cached_tokens[request])
+            log.finish(request, self.now())
+        except httpx.HTTPError:
+            log.reject(request, self.now())
 
 
 async def replay_trace(base_url: str, trace: RequestLog, vocab_size: int, model: str | None = None,
-                       seed: int = 0, t0: float | None = None) -> tuple[RequestLog, list[str | None]]:
+                       seed: int = 0, t0: float | None = None, turn_gap_s: float | None = None,
+                       headers: dict[str, str] | None = None) -> tuple[RequestLog, list[str | None]]:
     """Send every request of ``trace`` at its arrival time (seconds after ``t0``, a
-    ``time.perf_counter`` value; now by default): the filled copy of the log, and the replica
-    that answered each request (the ingress's ``x-kvserve-replica`` header)."""
-    log, served_by = trace.fresh(), [None] * len(trace)
-    url = base_url.rstrip("/") + "/v1/completions"
+    ``time.perf_counter`` value; now by default), or with ``turn_gap_s`` its conversations
+    closed loop (the module docstring), with ``headers`` (an API key): the filled copy of the
+    log, and the replica that answered each request (the ingress's ``x-kvserve-replica`` header)."""
     t0 = time.perf_counter() if t0 is None else t0
-    limits = httpx.Limits(max_connections=len(log) or 1, max_keepalive_connections=len(log) or 1)
-    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0)) as client:
-        tasks = []
-        for request in range(len(log)):
-            ids = prompt_token_ids(log, request, vocab_size, salt=seed)
-            await asyncio.sleep(max(0.0, log.arrival[request] - (time.perf_counter() - t0)))
-            tasks.append(asyncio.create_task(_one(client, url, request_body(ids, log.output[request], model),
-                                                  request, log, t0, served_by)))
-        await asyncio.gather(*tasks)
-    return log, served_by
+    limits = httpx.Limits(max_connections=len(trace) or 1, max_keepalive_connections=len(trace) or 1)
+    async with httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(600.0, connect=30.0), headers=headers) as client:
+        replay = _Replay(client, base_url.rstrip("/") + "/v1/completions", trace, vocab_size, model, seed, t0,
+                         turn_gap_s)
+        await asyncio.gather(*(replay.turn(request) for request in range(len(trace))))
+    return replay.log, replay.served_by
 
 
 async def watch_replicas(base_url: str, stop: asyncio.Event, t0: float, deployment: str = "engine",

@@ -26,7 +26,7 @@ from kvserve.autoscale.capacity import ReplicaCapacity
 from kvserve.fleetsim.conversations import add_conversations, turn_due
 from kvserve.fleetsim.fleet import FleetSim
 from kvserve.fleetsim.log import RequestLog
-from kvserve.fleetsim.prompt_ids import add_prefix_groups, prompt_token_ids
+from kvserve.fleetsim.prompt_ids import add_prefix_groups, continued_prompt, prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
@@ -104,13 +104,12 @@ def _engine_prompt(log: RequestLog, request: int, vocab_size: int, closed_loop: 
                    outputs: dict) -> list[int]:
     """The ids ``request`` is added with: ``prompt_ids``'s, or in a closed loop a later turn's
     history as the engine made it (the previous prompt and the engine's answer), then its own."""
-    ids = prompt_token_ids(log, request, vocab_size)
     parent = log.parent[request]
     if not closed_loop or parent < 0:
-        return ids
+        return prompt_token_ids(log, request, vocab_size)
     history = sent[parent] + outputs[parent]
     assert len(history) == log.prompt[parent] + log.output[parent], "the engine answered a turn short"
-    return history + ids[len(history):]
+    return continued_prompt(log, request, history, vocab_size)
 
 
 def simulate_trace(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int,

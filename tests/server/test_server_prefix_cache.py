@@ -154,3 +154,28 @@ def test_probing_another_tenants_prompt_times_like_a_miss(server):
     print(f"prefill ms medians: probe {probe_ms:.1f}, own miss {miss_ms:.1f}, own hit {hit_ms:.1f}")
     assert hit_ms < 0.6 * miss_ms                          # a hit is visible in the timing ...
     assert probe_ms > 0.75 * miss_ms                       # ... and another tenant's prompt is not a hit
+
+
+def test_a_closed_loop_replay_continues_each_conversation_from_the_servers_answers(server):
+    """``replay.replay_trace(turn_gap_s=)`` over HTTP: a later turn goes out the gap after its
+    previous answer, carrying the ids the server answered with (``return_token_ids``), so the
+    server's cache serves its whole history, to the block (answers span blocks; ids the replay
+    made up instead of the server's would miss from the previous prompt's end on)."""
+    import asyncio
+
+    from kvserve.fleetsim.log import DONE
+    from kvserve.fleetsim.replay import replay_trace
+    from kvserve.fleetsim.sched_replica import BLOCK_SIZE
+    from kvserve.fleetsim.validate import make_trace
+    gap_s = 0.2
+    trace = make_trace(10, 4.0, 40, 36, seed=5, turns=3.0, turn_gap_s=gap_s)
+    follow_ups = [r for r in range(len(trace)) if trace.parent[r] >= 0]
+    assert len(follow_ups) >= 4
+    log, _ = asyncio.run(replay_trace(server.url, trace, 49_152, MODEL, seed=next(_unique), turn_gap_s=gap_s,
+                                      headers={"Authorization": f"Bearer {ALICE}"}))
+    assert all(s == DONE for s in log.status), log.status             # every request answered
+    for r in follow_ups:
+        parent = trace.parent[r]
+        assert log.arrival[r] >= max(trace.arrival[r], log.finish_s[parent] + gap_s)
+        history = trace.prompt[parent] + trace.output[parent]
+        assert log.cached_tokens[r] == (history - 1) // BLOCK_SIZE * BLOCK_SIZE, (r, log.cached_tokens[r])
