@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import tempfile
 
 
 def register(subparsers) -> None:
@@ -11,7 +14,8 @@ def register(subparsers) -> None:
                                                 "warm-up) and what each mitigation saves")
     p.add_argument("model", nargs="?", default=None, help="GGUF file or HF folder (default: the default model)")
     p.add_argument("--weight-cache", default=None, metavar="DIR",
-                   help="host-memory weight cache folder (default /dev/shm/kvserve-weights)")
+                   help="host-memory weight cache folder (default: a fresh one on /dev/shm, removed after; "
+                        "a folder that already holds the model makes the fill run a hit)")
     p.add_argument("--kv-cache-gib", type=float, default=0.25)
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -21,8 +25,12 @@ def register(subparsers) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvserve.coldstart.measure import measure_cold_start
     from kvserve.coldstart.weight_cache import DEFAULT_ROOT
-    result = measure_cold_start(args.model, args.weight_cache or DEFAULT_ROOT, int(args.kv_cache_gib * 2**30),
-                                args.threads)
+    root = args.weight_cache or tempfile.mkdtemp(prefix="kvserve-coldstart-", dir=os.path.dirname(DEFAULT_ROOT))
+    try:
+        result = measure_cold_start(args.model, root, int(args.kv_cache_gib * 2**30), args.threads)
+    finally:
+        if args.weight_cache is None:
+            shutil.rmtree(root, ignore_errors=True)
     if args.json:
         print(json.dumps(result))
         return 0

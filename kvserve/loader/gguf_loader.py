@@ -27,6 +27,7 @@ import torch
 
 from kvserve.config import ModelConfig
 from kvserve.errors import ModelLoadError
+from kvserve.loader.gguf_dequant import dequantize_blocks
 from kvserve.loader.gguf_file import GGUFTensorInfo, read_gguf, tensor_bytes
 from kvserve.loader.checkpoint import Checkpoint, validate_tensors
 
@@ -171,7 +172,9 @@ def _dequantize(info: GGUFTensorInfo, data: np.ndarray, path: str) -> np.ndarray
         raise ModelLoadError(f"GGUF file {path}: tensor {info.name} has unknown type {info.type_id}") from exc
     raw = tensor_bytes(info, data)
     try:
-        values = quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(shape)
+        values = dequantize_blocks(raw, qtype.name, shape)        # the 4/8-bit types, whole-tensor
+        if values is None:
+            values = quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(shape)
     except NotImplementedError as exc:
         raise ModelLoadError(f"GGUF file {path}: tensor {info.name} has type "
                              f"{qtype.name}, which gguf cannot dequantise") from exc

@@ -29,6 +29,11 @@ _BLOCK_DTYPES = {
 }
 
 
+def block_dtype(type_name: str) -> np.dtype:
+    """The numpy record of one ``type_name`` block (``d``, ``m`` where the type has it, ``qs``)."""
+    return _BLOCK_DTYPES[type_name]
+
+
 def read_blocks(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> Int4Weight | Int8Weight:
     """The ``[out, in]`` weight of ``raw`` (the tensor's bytes) stored as ``type_name``."""
     rows, cols = shape
