@@ -429,10 +429,6 @@ def test_fuzz_raw_headers_and_requests_never_5xx(server):
 
 
 # ------------------------------------------------------------ token ids
-def _post(server, path: str, body: dict) -> httpx.Response:
-    return httpx.post(server.url + path, json=body, timeout=300, headers={"Authorization": f"Bearer {API_KEY}"})
-
-
 def _streamed_ids(server, path: str, body: dict) -> tuple[dict[int, list[int]], list, list]:
     """(each choice's streamed token_ids joined, the prompt_token_ids sent, every chunk) of a stream."""
     ids: dict[int, list[int]] = {}
