@@ -3,10 +3,10 @@
 The ``gguf`` package dequantises row group by row group, splitting arrays along the way; for
 the default model (210 Q4_1 tensors) that was 1.3 s of the 2 s start-up read, the cold start's
 second layer. Here a tensor's blocks are one structured array (``quant.gguf_blocks``' block
-layouts) and each formula is one array expression, in the same float32 operations as ``gguf``'s
-(``Q4_0``: ``d * (q - 8)``; ``Q4_1``: ``d * q + m``; ``Q8_0``: ``q * d``; in a 4-bit block
-byte ``j`` holds weight ``j`` in its low nibble and ``j + 16`` in its high one), so the values
-are bit-identical (``tests/unit/test_gguf_dequant.py`` checks it against ``gguf``). Other types
+layouts) and each formula a few in-place operations on the whole tensor, the same float32
+operations as ``gguf``'s (``Q4_0``: ``d * (q - 8)``; ``Q4_1``: ``d * q + m``; ``Q8_0``:
+``q * d``; in a 4-bit block byte ``j`` holds weight ``j`` in its low nibble and ``j + 16`` in
+its high one), so the values are bit-identical (``tests/unit/test_gguf_dequant.py`` checks it against ``gguf``). Other types
 return None: the loader falls back to ``gguf``.
 """
 from __future__ import annotations
