@@ -39,8 +39,18 @@ def _operations(server) -> list:
     return [result.ok() for result in schema.get_all_operations()]
 
 
+def _deadline_answer(case, response) -> bool:
+    """The one 5xx the API documents: a 504 ``deadline_exceeded`` for a request whose own
+    ``deadline_s`` passed before it finished (docs/server.md)."""
+    body = case.body if isinstance(case.body, dict) else {}
+    if response.status_code != 504 or not body.get("deadline_s"):
+        return False
+    return response.json().get("error", {}).get("code") == "deadline_exceeded"
+
+
 def test_no_server_errors(server):
-    """Every tenant operation, with bodies valid and invalid by the document: never a 5xx."""
+    """Every tenant operation, with bodies valid and invalid by the document: never a 5xx but
+    the documented deadline answer."""
     operations = _operations(server)
     assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize"}
     assert not any(op.path.startswith("/admin/") for op in operations)
@@ -52,7 +62,9 @@ def test_no_server_errors(server):
                       suppress_health_check=list(HealthCheck))
             @given(case=operation.as_strategy(generation_mode=mode))
             def fuzz(case):
-                response = case.call_and_validate(headers=AUTH, checks=[not_a_server_error], timeout=60)
+                response = case.call(headers=AUTH, timeout=60)
+                if not _deadline_answer(case, response):
+                    case.validate_response(response, checks=[not_a_server_error])
                 calls.append(response.status_code)
             fuzz()
     assert len(calls) >= len(operations) * EXAMPLES_PER_OPERATION
