@@ -163,9 +163,9 @@ class PrefixCachingReplica(BatchReplica):
             if tokens < group_part:
                 return [(group, tokens)] if tokens else []
             hits.append((group, tokens))
-        if log.parent[request] >= 0:
+        if log.parent[request] >= 0 or request in self.recomputed:
             key = _history_key(log, request)
-            limit = (log.prompt[request] - 1) // self.block_size * self.block_size - group_part
+            limit = (self._prompt_len(request) - 1) // self.block_size * self.block_size - group_part
             tokens = min(self.cache.tokens(key), limit)
             if tokens > 0:
                 hits.append((key, tokens))
@@ -181,11 +181,14 @@ class PrefixCachingReplica(BatchReplica):
     def _answered(self, request: int) -> int:
         return self.queued.pop(request)
 
-    def _fits(self, request: int) -> bool:
+    def _room(self) -> int:
+        return self.kv_tokens - self.reserved - self.cache.held_tokens + self.cache.evictable_tokens()
+
+    def _fits(self, request: int, decoding: int) -> bool:
         hits = self._hits(request)
-        need = self.log.prompt[request] + self.log.output[request] - sum(tokens for _, tokens in hits)
+        need = self._prompt_len(request) - sum(tokens for _, tokens in hits)
         spare = self.kv_tokens - self.reserved - self.cache.held_tokens
-        return need <= spare + self.cache.evictable_tokens([key for key, _ in hits])
+        return need + decoding <= spare + self.cache.evictable_tokens([key for key, _ in hits])
 
     def _admit(self, request: int) -> int:
         log, hits = self.log, self._hits(request)
@@ -193,13 +196,20 @@ class PrefixCachingReplica(BatchReplica):
             self.cache.acquire(key)
         hit = sum(tokens for _, tokens in hits)
         self.reads[request] = hits
-        need = log.prompt[request] + log.output[request] - hit
-        over = self.reserved + self.cache.held_tokens + need - self.kv_tokens
+        self._take(self._prompt_len(request) - hit)
+        if request not in self.recomputed:            # the engine counts a request's first admission only
+            log.cached_tokens[request] = hit
+        return hit
+
+    def _grow(self, tokens: int) -> None:
+        self._take(tokens)
+
+    def _take(self, tokens: int) -> None:
+        """Hold ``tokens`` more KV tokens, evicting unread entries if the pool is short."""
+        over = self.reserved + self.cache.held_tokens + tokens - self.kv_tokens
         if over > 0:
             self._announce([BlockRemoved(self.hashes.pop(key, [])) for key in self.cache.evict(over)])
-        self.reserved += need
-        log.cached_tokens[request] = hit
-        return hit
+        self.reserved += tokens
 
     def _prefilled(self, request: int) -> None:
         """A missed group's prefix enters the cache, its blocks moved from the request."""
@@ -218,19 +228,30 @@ class PrefixCachingReplica(BatchReplica):
         """What it read is read no more; the full blocks of its tokens after the group's prefix
         (prompt and output, as the engine commits them) stay cached as its conversation's
         history, unread until a next turn, evictable."""
-        log, hits = self.log, self.reads.pop(request)
-        size = log.prompt[request] + log.output[request]
-        self.reserved -= size - sum(tokens for _, tokens in hits)
+        size = self.log.prompt[request] + self.log.output[request]
+        self._drop(request, size, size - 1)
+        self.ids.pop(request, None)
+
+    def _evicted(self, request: int, context: int, computed: int) -> None:
+        """Preempted: as ``_release``, the full blocks it had computed cached as its
+        conversation's history, where its recompute finds them (the engine keeps a preempted
+        sequence's full blocks in its cache)."""
+        self._drop(request, context, computed)
+
+    def _drop(self, request: int, context: int, computed: int) -> None:
+        """``request`` holds ``context`` tokens no more; the whole blocks of its first
+        ``computed`` tokens after its group's prefix become its conversation's history."""
+        hits = self.reads.pop(request)
+        self.reserved -= context - sum(tokens for _, tokens in hits)
         for key, _ in hits:
             self.cache.release(key)
         group_part = self._shareable(request)
-        history = (size - 1) // self.block_size * self.block_size - group_part
+        history = computed // self.block_size * self.block_size - group_part
         if history > 0:
-            key = _history_key(log, request)
+            key = _history_key(self.log, request)
             self.cache.put(key, history)
             if self.cache_listener is not None:
                 self._announce_history(request, key, group_part, history)
-        self.ids.pop(request, None)
 
     def _announce_history(self, request: int, key: int, group_part: int, history: int) -> None:
         bs = self.block_size

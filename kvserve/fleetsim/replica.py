@@ -8,18 +8,24 @@ prompt completes in a step samples its first token at that step's end. Step time
 planner's roofline (``planner/roofline.step_time``) of each step's work.
 
 What makes a day of a fleet fast: between two events that change the batch (an admission, a
-finish) every step is the same decode step, so a *decode run* of ``k`` steps is one event:
-``k`` = steps until the first running sequence finishes, each step timed at the run's mean
-context. A request that arrives during a run and can be admitted cuts the run at the end of
-the step in flight. Each running sequence stores the step count at which it finishes
-(``finish_step``), so a run advances every sequence by moving one counter.
+finish, a full pool) every step is the same decode step, so a *decode run* of ``k`` steps is one
+event: ``k`` = steps until the first running sequence finishes or the pool has no token left for
+the next step, each step timed at the run's mean context. A request that arrives during a run
+and can be admitted cuts the run at the end of the step in flight. Each running sequence stores
+the step count at which it finishes (``finish_step``), so a run advances every sequence by
+moving one counter.
 
-Differences from the engine, stated: admission reserves a request's whole prompt + output in
-the KV pool (the engine allocates per block and preempts when the pool runs out; the
-simulator never preempts); a prefix cache is ``cached_replica.PrefixCachingReplica``, which
-overrides the KV accounting hooks (``_queue`` ... ``_release``). ``SchedulerReplica``
-(``sched_replica.py``) runs the engine's real scheduler step by step for short traces; a test
-holds the two within 20% on TTFT p50 / p99.
+KV as the engine holds it: a request is admitted when its prompt fits beside the next step's
+decodes, each decode step adds a token per running sequence, and when the next step's decodes
+do not fit, the newest admitted request is preempted by recompute (its KV freed, back to the
+head of the queue, its prompt + the output it had generated computed again on readmission;
+no admission in that step), as ``engine/scheduler.py`` does. Differences from the engine,
+stated: the pool is counted in tokens (the engine rounds each sequence up to 16-token blocks)
+and a prompt is admitted whole (the engine admits on its first chunk's blocks); a prefix cache
+is ``cached_replica.PrefixCachingReplica``, which overrides the KV accounting hooks (``_queue``
+... ``_evicted``). ``SchedulerReplica`` (``sched_replica.py``) runs the engine's real scheduler
+step by step for short traces; tests hold the two within 20% on TTFT p50 / p99 and TPOT, with a
+pool the planner sized and with one small enough to preempt.
 """
 from __future__ import annotations
 
@@ -48,7 +54,11 @@ class BatchReplica:
         self.finishes: list[tuple[int, int]] = []      # heap of (finish_step, request)
         self.steps = 0                                 # decode steps taken (every running seq gains one)
         self.ctx_sum = 0                               # tokens in the running sequences' KV
-        self.reserved = 0                              # KV tokens reserved by admitted requests
+        self.reserved = 0                              # KV tokens the admitted requests hold
+        self.order: dict[int, int] = {}                # request -> its place in arrival order, until it ends
+        self.recomputed: dict[int, int] = {}           # preempted request -> output tokens it had generated (0: none)
+        self.preemptions_total = 0
+        self.submitted = 0                             # requests submitted so far
         self.unanswered_tokens = 0                     # uncached prompt tokens of requests with no first token
         self.segment: tuple | None = None              # ("run", t0, dt, k) or ("step", t_end, chunks)
         self.prompt_tokens_total = 0                   # prompt tokens computed
@@ -87,6 +97,8 @@ class BatchReplica:
         idle, or a decode run is cut for the admission), else None. ``prompt_ids`` are not read (the
         coalesced replicas simulate without ids)."""
         self.waiting.append(request)
+        self.order[request] = self.submitted
+        self.submitted += 1
         self.unanswered_tokens += self._queue(request)
         self.held.update(now, self.num_running + self.num_waiting)
         if self.segment is None:
@@ -114,7 +126,12 @@ class BatchReplica:
     def _can_admit(self) -> bool:
         if not self.waiting or self.num_running >= self.max_num_seqs:
             return False
-        return self._fits(self.waiting[0])
+        return self._fits(self.waiting[0], len(self.finishes))
+
+    def _prompt_len(self, request: int) -> int:
+        """Tokens ``request``'s prefill computes: its prompt, and after a preemption the output it
+        had generated (recompute)."""
+        return self.log.prompt[request] + self.recomputed.get(request, 0)
 
     # -- KV accounting: what a prefix cache changes (``cached_replica.py``) ------------------------
     def _queue(self, request: int) -> int:
@@ -125,14 +142,22 @@ class BatchReplica:
         """What ``_queue`` added for ``request`` (its first token is out)."""
         return self.log.prompt[request]
 
-    def _fits(self, request: int) -> bool:
-        """Whether the pool has room for ``request``'s whole prompt + output."""
-        return self.reserved + self.log.prompt[request] + self.log.output[request] <= self.kv_tokens
+    def _room(self) -> int:
+        """KV tokens the pool can give out now."""
+        return self.kv_tokens - self.reserved
+
+    def _fits(self, request: int, decoding: int) -> bool:
+        """Whether ``request``'s prefill fits beside the next step's ``decoding`` tokens."""
+        return self._prompt_len(request) + decoding <= self._room()
 
     def _admit(self, request: int) -> int:
-        """Take ``request`` off the queue and reserve its KV; the prompt tokens it starts with."""
-        self.reserved += self.log.prompt[request] + self.log.output[request]
+        """Take ``request`` off the queue and hold KV for its prefill; the tokens it starts with."""
+        self.reserved += self._prompt_len(request)
         return 0
+
+    def _grow(self, tokens: int) -> None:
+        """The running requests' KV grows by ``tokens`` (decode steps, a prefill's sampled token)."""
+        self.reserved += tokens
 
     def _prefilled(self, request: int) -> None:
         """``request``'s prompt is computed (a prefix cache keeps its shared blocks)."""
@@ -141,18 +166,59 @@ class BatchReplica:
         """``request`` finished: its KV goes back to the pool."""
         self.reserved -= self.log.prompt[request] + self.log.output[request]
 
+    def _evicted(self, request: int, context: int, computed: int) -> None:
+        """``request`` is preempted with ``context`` tokens (its whole prompt while prefilling,
+        prompt + output so far while decoding), the KV of ``computed`` of them computed: the KV
+        it holds goes back to the pool."""
+        self.reserved -= context
+
+    # -- preemption -------------------------------------------------------------------------------
+    def _make_room(self, tokens: int) -> bool:
+        """Room for ``tokens`` more KV tokens (the next step's decodes), preempting the newest
+        admitted requests while more than one runs; whether any was preempted."""
+        preempted = False
+        while self._room() < tokens and self.num_running > 1:
+            tokens -= self._preempt_newest()
+            preempted = True
+        return preempted
+
+    def _preempt_newest(self) -> int:
+        """Recompute preemption of the newest admitted request: its KV freed, back to the head of
+        the queue; the decode tokens the next step no longer needs for it (1 or 0)."""
+        prefill = max(self.prefilling, key=lambda entry: self.order[entry[0]], default=None)
+        decode = max(self.finishes, key=lambda item: self.order[item[1]], default=None)
+        self.preemptions_total += 1
+        if decode is None or (prefill is not None and self.order[prefill[0]] > self.order[decode[1]]):
+            request, done = prefill
+            self.prefilling.remove(prefill)
+            self._evicted(request, self._prompt_len(request), done)
+            self.recomputed.setdefault(request, 0)
+            self.waiting.appendleft(request)
+            return 0
+        finish_step, request = decode
+        self.finishes.remove(decode)
+        heapq.heapify(self.finishes)
+        generated = self.log.output[request] - (finish_step - self.steps)
+        context = self.log.prompt[request] + generated
+        self.ctx_sum -= context
+        self._evicted(request, context, context - 1)      # the last sampled token's KV is not computed
+        self.recomputed[request] = generated
+        self.waiting.appendleft(request)
+        return 1
+
     def _plan(self, now: float) -> float | None:
-        if self.prefilling or self._can_admit():
-            return self._plan_step(now)
+        preempted = self._make_room(len(self.finishes))
+        if self.prefilling or (not preempted and self._can_admit()):
+            return self._plan_step(now, admit=not preempted)
         if self.finishes:
             return self._plan_run(now)
         return None
 
-    def _plan_step(self, now: float) -> float:
+    def _plan_step(self, now: float, admit: bool = True) -> float:
         """One step: a decode for each running sequence and prompt chunks in the budget left."""
         decoding = len(self.finishes)
         budget = self.max_batched_tokens - decoding
-        while self._can_admit() and budget > len(self.prefilling):
+        while admit and self._can_admit() and budget > len(self.prefilling):
             request = self.waiting.popleft()
             self.prefilling.append([request, self._admit(request)])
         chunks, attn, sampled = [], [], decoding
@@ -160,11 +226,12 @@ class BatchReplica:
             if budget <= 0:
                 break
             request, done = entry
-            n = min(self.log.prompt[request] - done, budget)
+            prompt = self._prompt_len(request)
+            n = min(prompt - done, budget)
             budget -= n
             chunks.append((entry, n))
             attn.append(chunk_attention(done, n))
-            sampled += done + n == self.log.prompt[request]
+            sampled += done + n == prompt
         if decoding:
             attn.append((float(self.ctx_sum), float(self.ctx_sum)))
         tokens = decoding + sum(n for _, n in chunks)
@@ -173,9 +240,10 @@ class BatchReplica:
         return now + dt
 
     def _plan_run(self, now: float) -> float:
-        """A decode run up to the first finish (at most ``MAX_RUN_STEPS``), timed at its mean context."""
+        """A decode run up to the first finish or until the pool is full (at most
+        ``MAX_RUN_STEPS``), timed at its mean context."""
         batch = len(self.finishes)
-        k = max(1, min(self.finishes[0][0] - self.steps, MAX_RUN_STEPS))
+        k = max(1, min(self.finishes[0][0] - self.steps, MAX_RUN_STEPS, self._room() // batch))
         ctx = self.ctx_sum + batch * (k - 1) / 2.0
         dt = step_time(self.cost, StepWork(batch, batch, ((ctx, ctx),))).total_s
         self.segment = ("run", now, dt, k)
@@ -186,6 +254,7 @@ class BatchReplica:
         batch = len(self.finishes)
         self.steps += k
         self.ctx_sum += batch * k
+        self._grow(batch * k)
         self.generation_tokens_total += batch * k
         self._finish_due(now)
 
@@ -194,35 +263,45 @@ class BatchReplica:
         while self.finishes and self.finishes[0][0] <= self.steps:
             _, request = heapq.heappop(self.finishes)
             self.ctx_sum -= log.prompt[request] + log.output[request]
-            self._release(request)
-            self.finished_total += 1
-            log.finish(request, now)
+            self._end(request, now)
+
+    def _end(self, request: int, now: float) -> None:
+        self._release(request)
+        del self.order[request]
+        self.finished_total += 1
+        self.log.finish(request, now)
 
     def _apply_step(self, chunks: list, now: float) -> None:
         if self.finishes:
             self._apply_decode(1, now)
-        log, completed = self.log, []
+        completed = []
         for entry, n in chunks:
             entry[1] += n
             self.prompt_tokens_total += n
-            if entry[1] == log.prompt[entry[0]]:
+            if entry[1] == self._prompt_len(entry[0]):
                 completed.append(entry)
         for entry in completed:
             self.prefilling.remove(entry)
-            request = entry[0]
+            self._sample_first(entry[0], now)
+
+    def _sample_first(self, request: int, now: float) -> None:
+        """``request``'s prefill is computed: it samples a token and decodes from the next step
+        (a recompute after a preemption samples its next output token, not its first)."""
+        log = self.log
+        generated = self.recomputed.pop(request, 0)
+        computed = log.prompt[request] + generated + 1
+        if generated == 0:
             self._prefilled(request)
             self.unanswered_tokens -= self._answered(request)
             log.first_token(request, now)
-            self.generation_tokens_total += 1
-            output = log.output[request]
-            self.ctx_sum += log.prompt[request] + 1
-            if output <= 1:
-                self.ctx_sum -= log.prompt[request] + 1
-                self._release(request)
-                self.finished_total += 1
-                log.finish(request, now)
-            else:
-                heapq.heappush(self.finishes, (self.steps + output - 1, request))
+        self.generation_tokens_total += 1
+        self._grow(1)
+        left = log.output[request] - generated - 1
+        if left <= 0:
+            self._end(request, now)
+        else:
+            self.ctx_sum += computed
+            heapq.heappush(self.finishes, (self.steps + left, request))
 
 
 
