@@ -84,8 +84,10 @@ class SchedulerReplica:
 
     @property
     def kv_usage(self) -> float:
+        """Blocks the sequences hold over the pool (cached-only blocks excluded), as the engine
+        reports it (``EngineStats.kv_blocks_used``)."""
         kv = self.sched.kv
-        return 1.0 - kv.num_free_blocks / kv.num_blocks if kv.num_blocks else 0.0
+        return kv.block_pool.num_used_blocks / kv.num_blocks if kv.num_blocks else 0.0
 
     @property
     def idle(self) -> bool:
