@@ -130,12 +130,26 @@ def model_from_engine(mc) -> ModelSpec:
                      qkv_bias=mc.attention_bias, moe=moe, source="kvserve engine ModelConfig")
 
 
-def open_engine(model: str | None, threads: int | None):
-    """(generate(prompts, max_tokens), engine facts) for kvserve's offline API."""
+def runs_kv_bytes(model: str | None, runs: Sequence[tuple[tuple[int, ...], int]], block_size: int = 16) -> int:
+    """KV memory the timed runs need at most: each request of the largest run holding its
+    prompt, its output and a spare block, at float32 (the widest KV dtype), plus a quarter. The
+    engine's default budget (on CPU 4 GiB, zero-filled at start: seconds of page faults) is
+    far more than a profile uses."""
+    from kvserve.loader import resolve_model_path
+    from kvserve.planner.kv_memory import kv_bytes_per_token_per_gpu
+    from kvserve.planner.model_io import resolve_model
+    spec = resolve_model(resolve_model_path(model))
+    blocks = max(sum(-(-(n + out) // block_size) + 1 for n in lengths) for lengths, out in runs)
+    return int(1.25 * blocks * block_size * kv_bytes_per_token_per_gpu(spec, 4.0, 1).value)
+
+
+def open_engine(model: str | None, threads: int | None, kv_cache_bytes: int | None = None):
+    """(generate(prompts, max_tokens), engine facts) for kvserve's offline API, with
+    ``kv_cache_bytes`` of KV (None: the engine's default budget)."""
     from kvserve import LLM, SamplingParams
 
     kwargs = {"num_threads": threads} if threads else {}
-    llm = LLM(model=model, **kwargs)
+    llm = LLM(model=model, kv_cache_bytes=kv_cache_bytes, **kwargs)
 
     reset = getattr(llm.engine, "reset_prefix_cache", None)
 
@@ -219,9 +233,10 @@ def measure(args) -> HardwareSpec:
     hw = base_entry(args.name, bw, gemm, args.price_per_hour)
     if not args.skip_engine:
         print("timing kvserve runs (this takes a few minutes) ...", flush=True)
-        generate, facts = open_engine(args.model, threads)
+        runs = QUICK_RUNS if args.quick else FULL_RUNS
+        generate, facts = open_engine(args.model, threads, runs_kv_bytes(args.model, runs))
         generate([[101] * 8], 2)                                   # warm-up
-        samples = time_runs(generate, QUICK_RUNS if args.quick else FULL_RUNS, facts["model"].vocab_size,
+        samples = time_runs(generate, runs, facts["model"].vocab_size,
                             repeats=getattr(args, "repeats", 2) or 1, clock=clock)
         hw = calibrate_engine(hw, facts, samples)
     hw = dataclasses.replace(hw, calibration=MappingProxyType(
