@@ -65,9 +65,14 @@ def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: floa
 
 def profile(path: str | None = None, repeats: int | None = None) -> str:
     """``kvserve profile --quick --threads 1`` (the replicas' thread count) into ``path`` (a
-    temporary file by default); the path."""
+    temporary file by default), once the host is quiet (``host_cpu.wait_until_quiet``: a cluster
+    that an earlier run stopped may still be winding down, and a profile taken beside it times
+    every step slow); the path."""
+    from kvserve.fleetsim.host_cpu import wait_until_quiet
     path = path or os.path.join(tempfile.mkdtemp(), "local.json")
     extra = ["--repeats", str(repeats)] if repeats else []
+    waited, busy = wait_until_quiet()
+    print(f"profile: waited {waited:.0f} s for a quiet host (busy cores per second: {busy})", file=sys.stderr)
     subprocess.run([sys.executable, "-m", "kvserve.cli", "profile", "--quick", "--threads", "1", *extra, "--out",
                     path], check=True, stdout=subprocess.DEVNULL)
     return path

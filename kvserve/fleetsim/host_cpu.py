@@ -96,6 +96,24 @@ def read_cpu() -> CpuReading:
     return CpuReading(time.perf_counter(), machine_busy_s(), engines_cpu_s())
 
 
+def wait_until_quiet(max_busy_cores: float = 0.3, window_s: float = 1.0, windows: int = 3,
+                     timeout_s: float = 90.0, busy_s=machine_busy_s, sleep=time.sleep) -> tuple[float, list[float]]:
+    """Block until the machine's busy cores stay under ``max_busy_cores`` for ``windows``
+    consecutive windows of ``window_s`` (at most ``timeout_s``): what an earlier workload left
+    running (a cluster's processes winding down) would slow a measurement taken now. Returns
+    the seconds waited and every window's busy cores."""
+    readings: list[float] = []
+    quiet, waited, last = 0, 0.0, busy_s()
+    while quiet < windows and waited < timeout_s:
+        sleep(window_s)
+        waited += window_s
+        now = busy_s()
+        readings.append(round((now - last) / window_s, 3))
+        quiet = quiet + 1 if readings[-1] < max_busy_cores else 0
+        last = now
+    return waited, readings
+
+
 def idle_readings(seconds: float, windows: int) -> list[CpuReading]:
     """``windows + 1`` readings ``seconds / windows`` apart, the caller idle meanwhile."""
     readings = [read_cpu()]

@@ -14,7 +14,7 @@ import pytest
 
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.fleetsim.deployment import Deployment
-from kvserve.fleetsim.host_cpu import (CpuReading, PlaneFit, SharedHost, engines_cpu_s, idle_readings, machine_busy_s,
+from kvserve.fleetsim.host_cpu import (CpuReading, PlaneFit, SharedHost, engines_cpu_s, idle_readings, machine_busy_s, wait_until_quiet,
                                        new_processes_cpu_s, process_cpu)
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.run import prepare
@@ -148,3 +148,15 @@ def _finish_time(busy_neighbours: int) -> float:
 
 def test_a_replica_on_a_host_shared_with_a_busy_one_steps_twice_as_long():
     assert _finish_time(1) == pytest.approx(2 * _finish_time(0))
+
+
+def test_a_measurement_waits_until_the_host_is_quiet_for_three_windows_in_a_row():
+    """A host winding down (1.6 then 0.8 busy cores, a dip, a burst) counts as quiet only after
+    three consecutive windows under the bar; one that never quiets is given up at the timeout."""
+    busy = iter([0.0, 1.6, 2.4, 2.5, 2.6, 3.5, 3.6, 3.7, 3.8, 3.9])      # cumulative core-seconds
+    waited, cores = wait_until_quiet(0.3, 1.0, 3, 60.0, busy_s=lambda: next(busy), sleep=lambda s: None)
+    assert cores == pytest.approx([1.6, 0.8, 0.1, 0.1, 0.9, 0.1, 0.1, 0.1])
+    assert waited == 8.0
+    clock = iter(range(0, 1000, 2))                                        # always 2 cores busy
+    waited, cores = wait_until_quiet(0.3, 1.0, 3, 5.0, busy_s=lambda: next(clock), sleep=lambda s: None)
+    assert waited == 5.0 and cores == [2.0] * 5
