@@ -13,6 +13,7 @@ from kvserve.fleetsim.prompt_ids import REPLY_ID, prompt_token_ids
 from kvserve.fleetsim.run import prepare
 from kvserve.fleetsim.scenario import ModelTraffic, Scenario
 from kvserve.router.index import request_block_hashes
+from tests.support.replica_driver import cached_pool_holds, drive
 
 SCENARIO = Scenario(name="cache", models=(ModelTraffic("a", "llama-3-8b", 256.0, 64.0),), peak_users=10,
                     think_s=60, duration_s=60, budget_usd_month=1e6, policies=("always_on",))
@@ -34,18 +35,8 @@ def test_eviction_takes_unread_groups_least_recently_used_first():
 
 
 def _run(replica: PrefixCachingReplica, log: RequestLog) -> None:
-    """Feed ``log``'s requests at their arrival times and run the replica until it is idle,
-    checking the pool's accounting at every event."""
-    pending = sorted(range(len(log)), key=lambda r: log.arrival[r])
-    next_event = None
-    while pending or next_event is not None:
-        if pending and (next_event is None or log.arrival[pending[0]] <= next_event):
-            request = pending.pop(0)
-            submitted = replica.submit(request, log.arrival[request])
-            next_event = submitted if submitted is not None else next_event
-        else:
-            next_event = replica.complete(next_event)
-        assert 0 <= replica.reserved and replica.reserved + replica.cache.held_tokens <= replica.kv_tokens
+    """Run ``log`` through the replica, checking the pool's accounting at every event."""
+    drive(replica, log, cached_pool_holds)
 
 
 def test_a_small_pool_evicts_groups_and_the_router_hears_what_it_holds():

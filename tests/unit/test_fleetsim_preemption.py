@@ -15,23 +15,7 @@ from kvserve.fleetsim.log import DONE, RequestLog
 from kvserve.fleetsim.replica import BatchReplica
 from kvserve.fleetsim.run import prepare
 from kvserve.fleetsim.sched_replica import SchedulerReplica
-
-
-
-def _drive(replica, log: RequestLog, check=None) -> None:
-    """Submit ``log``'s requests at their arrivals and run ``replica`` until it is idle;
-    ``check(replica)`` after every event."""
-    pending = sorted(range(len(log)), key=lambda r: log.arrival[r])
-    next_event = None
-    while pending or next_event is not None:
-        if pending and (next_event is None or log.arrival[pending[0]] <= next_event):
-            request = pending.pop(0)
-            submitted = replica.submit(request, log.arrival[request])
-            next_event = submitted if submitted is not None else next_event
-        else:
-            next_event = replica.complete(next_event)
-        if check is not None:
-            check(replica)
+from tests.support.replica_driver import cached_pool_holds, drive
 
 
 def _two_long_requests() -> RequestLog:
@@ -50,7 +34,7 @@ def test_the_newest_request_is_preempted_recomputed_and_every_token_returns():
     def within_pool(r):
         assert 0 <= r.reserved <= r.kv_tokens and r.ctx_sum <= r.reserved
 
-    _drive(replica, log, within_pool)
+    drive(replica, log, within_pool)
     assert replica.preemptions_total == 1
     assert log.status == [DONE, DONE] and log.finish_s[0] < log.finish_s[1]
     assert log.first_token_s[1] < log.finish_s[0]             # it had started before the preemption
@@ -66,8 +50,8 @@ def test_the_two_requests_preempt_alike_on_the_engines_scheduler():
     sizing = replace(prepare(SCENARIO).sizings[0], kv_tokens=1000, max_num_seqs=4)
     fast_log, real_log = _two_long_requests(), _two_long_requests()
     fast, real = BatchReplica("r", sizing, fast_log), SchedulerReplica("r", sizing, real_log)
-    _drive(fast, fast_log)
-    _drive(real, real_log)
+    drive(fast, fast_log)
+    drive(real, real_log)
     assert real.sched.num_preemptions == fast.preemptions_total == 1
     for request in (0, 1):
         assert fast_log.finish_s[request] == pytest.approx(real_log.finish_s[request], rel=0.05)
@@ -84,13 +68,10 @@ def test_a_preempted_request_recomputes_past_its_own_cached_blocks():
     def three() -> RequestLog:
         return RequestLog([0.0, 0.001, 0.002], [0] * 3, [0] * 3, [200] * 3, [140, 300, 300])
 
-    def within_pool(r):
-        assert 0 <= r.reserved and r.reserved + r.cache.held_tokens <= r.kv_tokens
-
     log, plain_log = three(), three()
     cached, plain = PrefixCachingReplica("r", sizing, log), BatchReplica("r", sizing, plain_log)
-    _drive(cached, log, within_pool)
-    _drive(plain, plain_log)
+    drive(cached, log, cached_pool_holds)
+    drive(plain, plain_log)
     assert cached.preemptions_total == plain.preemptions_total == 1
     assert log.status == [DONE] * 3 and cached.generation_tokens_total == 740
     context = plain.prompt_tokens_total - 600                  # the victim's prompt + its output so far
