@@ -83,6 +83,11 @@ class SchedulerReplica:
         return self.sched.num_waiting
 
     @property
+    def preemptions_total(self) -> int:
+        """Recompute preemptions the scheduler made (``BatchReplica``'s counter of the same)."""
+        return self.sched.num_preemptions
+
+    @property
     def kv_usage(self) -> float:
         """Blocks the sequences hold over the pool (cached-only blocks excluded), as the engine
         reports it (``EngineStats.kv_blocks_used``)."""
