@@ -3,9 +3,16 @@
 1. ``kvserve profile --quick --threads 1`` on this machine (or ``--hardware PATH``: a saved entry).
 2. ``kvserve cluster serve`` of the default model, one thread per replica, ``--autoscale tokens``
    between 1 and 2 replicas, its capacity planned on that hardware entry (``--capacity-gpu``),
-   ``--router least_loaded`` (the trace's prompts share no prefix).
+   ``--router least_loaded`` (the trace's prompts share no prefix), headroom factor 1.5: the token
+   demand is the tokens the replicas served, so a saturated replica slower than its profile reads
+   below its planned capacity; at 1.5 one up to 1.5x slower (the probe's sanity bound) still
+   crosses the policy's threshold (docs/autoscaling.md).
 3. An open-loop trace whose rate steps up, then down (``--phases``), streamed through the ingress
-   (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas.
+   (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas. Each
+   phase's load is a fraction of one replica's capacity as the cluster plans it on that profile
+   (``load_rates``), so the token policy's decisions do not move with the profile: with the rate
+   in requests/s, one quick profile put a 1.5 requests/s step at 0.77 of a replica (x headroom
+   1.25 = 0.96, under the threshold of 1, so only a burst window scaled up), another at 1.03.
    Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time with prompts of
    four lengths, then a full batch) measures the host as the cluster's engines see it: how much
    slower they decode and prefill than the profile and the latency the serving path adds to a
@@ -19,7 +26,7 @@
    (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit without the
    shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out).
 
-    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 30:0.5,60:1.5,60:0.4] [--hardware PATH]
+    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
@@ -45,6 +52,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 KV_CACHE_GIB = 0.25
+PROMPT_MEAN, OUTPUT_MEAN = 128.0, 24.0   # the trace's mean lengths; the capacity is planned for them
+HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
 IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
 IDLE_WINDOWS = 6            # ... in this many windows, the background their median (a burst is not background)
 
@@ -58,8 +67,9 @@ def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: floa
     """``kvserve cluster serve`` options of the check (the simulator reads the same ones)."""
     return ["--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", "4", "--replicas", "1",
             "--router", "least_loaded", "--no-ladder", "--autoscale", "tokens", "--tier", "hot",
-            "--min-replicas", "1", "--max-replicas", "2", "--capacity-gpu", hw_path,
-            "--capacity-prompt-tokens", "128", "--capacity-output-tokens", "24",
+            "--min-replicas", "1", "--max-replicas", "2", "--headroom-factor", str(HEADROOM_FACTOR),
+            "--capacity-gpu", hw_path,
+            "--capacity-prompt-tokens", str(int(PROMPT_MEAN)), "--capacity-output-tokens", str(int(OUTPUT_MEAN)),
             "--demand-window-s", str(demand_window_s), "--downscale-window-s", str(downscale_window_s)]
 
 
@@ -78,10 +88,20 @@ def profile(path: str | None = None, repeats: int | None = None) -> str:
     return path
 
 
+def load_rates(settings, phases: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """``(seconds, load)`` phases as ``(seconds, requests/s)``: a load of 1 is one replica's
+    planned capacity (``settings``' prefill and decode tokens/s) for requests of the trace's mean
+    lengths, ``rate = load / (PROMPT_MEAN / C_p + OUTPUT_MEAN / C_d)``, the token policy's load
+    (``autoscale/policy.py``) read backwards."""
+    seconds_per_request = PROMPT_MEAN / settings.prefill_tokens_per_s + OUTPUT_MEAN / settings.decode_tokens_per_s
+    return [(seconds, load / seconds_per_request) for seconds, load in phases]
+
+
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0) -> tuple[dict, object, object]:
-    """Run the cluster on the probe and the trace, simulate both, compare (the module docstring):
-    (the comparison, the measured log, the simulated log)."""
+    """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
+    turns into rates, simulate both, compare (the module docstring): (the comparison, the
+    measured log, the simulated log)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
@@ -94,7 +114,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     args = build_parser().parse_args(["cluster", "serve", *flags])
     settings = settings_from_args(args, default_model_path())
     simulate = ClusterSimulator(hw_path, args, settings)
-    trace, probe = phased_trace(phases, 128.0, 24.0, seed), probe_trace(args.max_num_seqs)
+    rates = load_rates(settings, phases)
+    trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(args.max_num_seqs)
     vocab = simulate.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
@@ -118,7 +139,9 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     starts_free = compare_cluster(measured, running_steps(changes),
                                   *on_fit(SharedHost(host_cores(), args.threads, plane)), end)
     hw = simulate.hw
-    return {"phases": [list(p) for p in phases], "requests": len(trace), "replica_start_s": round(start_s, 2),
+    return {"load_phases": [list(p) for p in phases],
+            "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
+            "replica_start_s": round(start_s, 2),
             "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
@@ -176,14 +199,15 @@ class ClusterSimulator:
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:
-    """``SECONDS:RATE,...``."""
+    """``SECONDS:LOAD,...``."""
     return [tuple(float(x) for x in part.split(":", 1)) for part in text.split(",")]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", type=parse_phases, default=parse_phases("30:0.5,60:1.5,60:0.4"),
-                        help="SECONDS:REQUESTS_PER_S,... (default 30:0.5,60:1.5,60:0.4)")
+    parser.add_argument("--phases", type=parse_phases, default=parse_phases("20:0.25,40:0.8,40:0.2"),
+                        help="SECONDS:LOAD,... where a load of 1 is one replica's planned capacity "
+                             "(default 20:0.25,40:0.8,40:0.2)")
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dump", default=None, help="pickle both request logs' arrays here")
