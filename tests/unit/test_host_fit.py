@@ -91,3 +91,22 @@ def test_a_probe_not_fully_served_is_refused():
     with pytest.raises(RuntimeError, match="not fully served"):
         fit_host(measured, lambda factor, extra, prefill: _simulate(probe, factor, 0.0, extra, prefill),
                  one_at_a_time=4)
+
+
+def test_a_batch_cheaper_than_the_profile_says_is_fitted_on_the_batch():
+    # the profile says each sequence of a step costs 3 ms more; the host's steps are 1.5x slower but
+    # its sequences cost nothing extra, which only a negative extra would fit: one factor, on the batch
+    import dataclasses
+    profile_hw = dataclasses.replace(HW, seq_overhead_s=0.003)
+    probe = probe_trace(4)
+
+    def simulate(hw, log, factor, seq_extra=0.0, prefill=None):
+        cm = cost_model(preset("llama-3-8b"), slowed(hw, factor, seq_extra, prefill), weight_dtype("bf16"),
+                        kv_dtype("bf16"), 1)
+        return simulate_autoscaled(log, cm, 4, 1024, 100_000, SETTINGS, 0.0, 0.0)[0]
+
+    measured = simulate(HW, probe, 1.5)
+    fit = fit_host(measured, lambda f, e, p: simulate(profile_hw, probe, f, e, p), one_at_a_time=len(probe) - 4)
+    assert fit.seq_extra_s == 0.0
+    assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
+    assert fit.measured_tpot_s > fit.profile_tpot_s * fit.slowdown * 1.01      # the singles are left slower
