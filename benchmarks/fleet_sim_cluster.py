@@ -3,10 +3,10 @@
 1. ``kvserve profile --quick --threads 1`` on this machine (or ``--hardware PATH``: a saved entry).
 2. ``kvserve cluster serve`` of the default model, one thread per replica, ``--autoscale tokens``
    between 1 and 2 replicas, its capacity planned on that hardware entry (``--capacity-gpu``),
-   ``--router least_loaded`` (the trace's prompts share no prefix), headroom factor 1.5: the token
-   demand is the tokens the replicas served, so a saturated replica slower than its profile reads
-   below its planned capacity; at 1.5 one up to 1.5x slower (the probe's sanity bound) still
-   crosses the policy's threshold (docs/autoscaling.md).
+   ``--router least_loaded`` (the trace's prompts share no prefix), headroom factor 1.5: with the
+   default 1.25 a step of 0.9 of a replica (needed to sit clearly above the threshold) kept one
+   replica near saturation for 25-35 s, where the cluster drifting from its probe showed as a
+   TTFT p50 0.62x in one run of four; at 1.5 a step of 0.8 suffices.
 3. An open-loop trace whose rate steps up, then down (``--phases``), streamed through the ingress
    (``fleetsim/replay.py``) while ``/cluster/status`` is polled for the running replicas. Each
    phase's load is a fraction of one replica's capacity as the cluster plans it on that profile

@@ -3,12 +3,21 @@
 Each replica exports cumulative counters on ``/metrics`` (``server/metrics.py``):
 ``kvserve_prompt_tokens_total`` (prompt tokens admitted), ``kvserve_prefix_cache_hit_tokens_total``
 (prompt tokens the prefix cache served, not computed), ``kvserve_generation_tokens_total`` (output
-tokens), and gauges ``kvserve_num_requests_running`` / ``kvserve_num_requests_waiting``. Two scrapes
-of the fleet, ``earlier`` at ``t0`` and ``later`` at ``t1``, give the demand::
+tokens), and gauges ``kvserve_num_requests_running`` / ``kvserve_num_requests_waiting`` /
+``kvserve_num_queued_prompt_tokens`` (prompt tokens past the prefix cache of the requests not yet
+scheduled). Two scrapes of the fleet, ``earlier`` at ``t0`` and ``later`` at ``t1``, give the demand::
 
-    prefill tokens/s = sum over replicas of max(0, delta(prompt_tokens_total) - delta(prefix_hit_tokens_total))
-                       / (t1 - t0)
+    prefill tokens/s = sum over replicas of [max(0, delta(prompt_tokens_total) - delta(prefix_hit_tokens_total))
+                                             + later queued_prompt_tokens] / (t1 - t0)
     decode  tokens/s = sum over replicas of delta(generation_tokens_total) / (t1 - t0)
+
+The counters count what the replicas took (a replica takes a request when it has a slot, and
+the ingress holds the rest), so a saturated replica shows its own throughput, not the traffic
+behind it: one slower than its planned capacity by more than the policy's headroom read under
+the threshold and never scaled up (docs/autoscaling.md). The backlog term adds the prompt tokens
+still waiting in the replicas' engines at the window's end. A queue that stands for several
+windows counts in each, which is the point: it means the replicas are short; a request that
+arrives just before a scrape counts twice (taken and queued), a small excess at light load.
 
 Per replica and per counter, ``delta = later - earlier``; a replica that is new in ``later``, or
 whose counter went down (a restart), counted from zero, so ``delta = later``. The reset rule
@@ -39,6 +48,7 @@ class ReplicaCounters:
     generation_tokens_total: float = 0.0
     requests_running: int = 0
     requests_waiting: int = 0
+    queued_prompt_tokens: float = 0.0      # a gauge: the backlog at this scrape
 
     @property
     def prompt_tokens_computed_total(self) -> float:
@@ -92,6 +102,7 @@ def token_demand(earlier: FleetScrape, later: FleetScrape) -> TokenDemand:
         computed = _counter_delta(before.prompt_tokens_total if before else None, now.prompt_tokens_total) \
             - _counter_delta(before.prefix_hit_tokens_total if before else None, now.prefix_hit_tokens_total)
         prefill += max(0.0, computed)
+        prefill += now.queued_prompt_tokens
         decode += _counter_delta(before.generation_tokens_total if before else None, now.generation_tokens_total)
     return TokenDemand(prefill / window_s, decode / window_s, later.queued_requests)
 

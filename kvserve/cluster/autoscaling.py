@@ -12,8 +12,9 @@ The path of a token (docs/autoscaling.md, "Ray Serve wiring"):
    ``replica_autoscaling_stats(server metrics)``: its cumulative counters under their
    ``/metrics`` names (``kvserve_prompt_tokens_total``, ``kvserve_prefix_cache_hit_tokens_total``,
    ``kvserve_generation_tokens_total``) and the gauges ``kvserve_num_requests_running`` /
-   ``_waiting``; Ray records them every ``look_back_period_s x 0.2`` seconds and pushes the
-   look-back window's samples to the controller every ``metrics_interval_s``;
+   ``_waiting`` / ``kvserve_num_queued_prompt_tokens`` (the backlog); Ray records them every
+   ``look_back_period_s x 0.2`` seconds and pushes the look-back window's samples to the
+   controller every ``metrics_interval_s``;
 2. the policy reads ``ctx.raw_metrics`` (per metric, per replica, the samples) and takes each
    replica's newest sample: one ``FleetScrape`` (``scrape_from_raw``; a counter's mean over the
    window, ``ctx.aggregated_metrics``, would be meaningless);
@@ -50,6 +51,7 @@ COUNTER_FIELDS = {
     "kvserve_generation_tokens_total": "generation_tokens_total",
     "kvserve_num_requests_running": "requests_running",
     "kvserve_num_requests_waiting": "requests_waiting",
+    "kvserve_num_queued_prompt_tokens": "queued_prompt_tokens",
 }
 
 
@@ -132,7 +134,8 @@ def replica_autoscaling_stats(metrics) -> dict[str, float]:
               "kvserve_prefix_cache_hit_tokens_total": metrics.prefix_hit_tokens,
               "kvserve_generation_tokens_total": metrics.generation_tokens,
               "kvserve_num_requests_running": metrics.running,
-              "kvserve_num_requests_waiting": metrics.waiting}
+              "kvserve_num_requests_waiting": metrics.waiting,
+              "kvserve_num_queued_prompt_tokens": metrics.queued_prompt_tokens}
     return {name: float(sum(metric.values.values())) for name, metric in series.items()}
 
 
@@ -159,7 +162,8 @@ def scrape_from_raw(raw_metrics: Mapping[str, Mapping[Any, list]] | None, now_s:
                                      prefix_hit_tokens_total=v.get("prefix_hit_tokens_total", 0.0),
                                      generation_tokens_total=v.get("generation_tokens_total", 0.0),
                                      requests_running=int(v.get("requests_running", 0)),
-                                     requests_waiting=int(v.get("requests_waiting", 0)))
+                                     requests_waiting=int(v.get("requests_waiting", 0)),
+                                     queued_prompt_tokens=v.get("queued_prompt_tokens", 0.0))
                 for key, v in values.items()}
     return FleetScrape(now_s if newest is None else newest, replicas, queued_requests)
 

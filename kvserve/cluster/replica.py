@@ -71,6 +71,8 @@ class EngineReplica:
         """This replica's token counters and request gauges, as its ``/metrics`` shows them, for
         ``KVServeAutoscalingPolicy`` (Ray Serve records them while autoscaling is on)."""
         from kvserve.cluster.autoscaling import replica_autoscaling_stats
+        if self.server.ctx.client is not None:
+            self.server.ctx.client.refresh_queue_gauges()
         return replica_autoscaling_stats(self.server.ctx.metrics)
 
     def check_health(self) -> None:

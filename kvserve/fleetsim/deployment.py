@@ -213,8 +213,8 @@ class Deployment:
             rejected += 1
         return rejected
 
-    def counters(self, now: float) -> dict[str, tuple[int, int, int, int, float]]:
+    def counters(self, now: float) -> dict[str, tuple[int, int, int, int, float, int]]:
         """Per serving / draining replica: (prompt tokens computed, output tokens, running, waiting,
-        request-seconds held so far)."""
+        request-seconds held so far, queued prompt tokens)."""
         return {r.name: (r.prompt_tokens_total, r.generation_tokens_total, r.num_running, r.num_waiting,
-                         r.held.total(now)) for r in self.ready + self.draining}
+                         r.held.total(now), r.queued_tokens) for r in self.ready + self.draining}

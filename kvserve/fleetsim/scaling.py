@@ -67,9 +67,10 @@ class ModelScaler:
 
     def decide(self, now: float, tier, active: int, counters: dict, queued: int) -> int:
         """The replica count for ``now`` from the replicas' counters (name -> (prompt tokens computed,
-        output tokens, running, waiting, request-seconds held)) and ``queued`` requests waiting for a replica."""
-        scrape = FleetScrape(now, {name: ReplicaCounters(p, 0.0, g, run, wait)
-                                   for name, (p, g, run, wait, _) in counters.items()}, queued)
+        output tokens, running, waiting, request-seconds held, queued prompt tokens)) and ``queued``
+        requests waiting for a replica."""
+        scrape = FleetScrape(now, {name: ReplicaCounters(p, 0.0, g, run, wait, backlog)
+                                   for name, (p, g, run, wait, _, backlog) in counters.items()}, queued)
         bounds = bounds_for_tier(tier, self.max_replicas)
         state = replace(self.state, replicas=active)
         if self.signal == "tokens":

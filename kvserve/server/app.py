@@ -308,8 +308,7 @@ def _add_routes(app: FastAPI, ctx: ServingContext) -> None:
     @app.get("/metrics")
     async def metrics():
         if ctx.client is not None:
-            ctx.metrics.in_flight.set(len(ctx.client.requests))
-            ctx.metrics.queued.set(ctx.client.num_queued)
+            ctx.client.refresh_queue_gauges()
         ctx.metrics.ready.set(0 if ctx.state.not_ready_reason(ctx.client) else 1)
         return PlainTextResponse(ctx.metrics.render(), media_type="text/plain; version=0.0.4")
 

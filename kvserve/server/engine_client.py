@@ -281,6 +281,19 @@ class EngineClient:
     def num_queued_tokens(self) -> int:
         return sum(r.num_prompt_tokens for r in self.requests.values() if not r.started)
 
+    @property
+    def num_queued_uncached_tokens(self) -> int:
+        """Prompt tokens past the prefix cache of the requests not yet scheduled: the prefill
+        work queued here (what the router's ``queued_tokens`` and the autoscaler's backlog read)."""
+        return sum(r.num_uncached_tokens for r in self.requests.values() if not r.started)
+
+    def refresh_queue_gauges(self) -> None:
+        """Set the gauges read from the request table, not the engine's stats: in flight,
+        queued, and the queued prompt tokens."""
+        self.metrics.in_flight.set(len(self.requests))
+        self.metrics.queued.set(self.num_queued)
+        self.metrics.queued_prompt_tokens.set(self.num_queued_uncached_tokens)
+
     # --------------------------------------------------------------- I/O
     def _send(self, message) -> None:
         if self._writer is None or self._writer.is_closing():

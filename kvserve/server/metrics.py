@@ -314,6 +314,8 @@ class ServerMetrics:
         self.waiting = g("kvserve_num_requests_waiting", "Sequences waiting in the engine's queue.")
         self.in_flight = g("kvserve_num_requests_in_flight", "HTTP requests admitted and not finished.")
         self.queued = g("kvserve_num_requests_queued", "Admitted requests not yet scheduled by the engine.")
+        self.queued_prompt_tokens = g("kvserve_num_queued_prompt_tokens",
+                                      "Prompt tokens past the prefix cache of the requests not yet scheduled.")
         self.kv_used = g("kvserve_kv_blocks_used", "KV cache blocks in use.")
         self.kv_total = g("kvserve_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_cached = g("kvserve_kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable).")
@@ -356,7 +358,8 @@ class ServerMetrics:
         from kvserve.server.parallel_metrics import ParallelMetrics     # (it imports this module's types)
         self.parallel = ParallelMetrics()         # rendered once the engine has ranks or experts
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
-                     self.queued, self.kv_used, self.kv_total, self.kv_cached, self.prefix_hit_rate,
+                     self.queued, self.queued_prompt_tokens, self.kv_used, self.kv_total, self.kv_cached,
+                     self.prefix_hit_rate,
                      self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,

@@ -224,3 +224,31 @@ def test_token_policy_follows_the_work_on_long_prompts():
     assert requests == 1
     assert tokens == 4
     assert tokens >= load > requests            # the token policy covers the work; the count does not
+
+
+# --- the backlog: a saturated replica slower than planned ----------------------------------------
+
+def test_a_standing_queue_counts_as_demand_so_a_saturated_slow_replica_scales_up():
+    # One replica 30% slower than its planned 32,000 prefill tokens/s, saturated on 2,000-token prompts:
+    # it takes only what it serves, 24,615 tokens/s = 0.77 of the plan x 1.25 = 0.96 -> 1 replica,
+    # while 16 requests (32,000 tokens) stand in its engine's queue at every scrape. The backlog adds
+    # 32,000 / 10 s = 3,200 tokens/s each window: 27,815 / 32,000 = 0.87 x 1.25 = 1.09 -> 2.
+    served = 32_000.0 / 1.3
+    scrapes = [FleetScrape(t, {"r0": ReplicaCounters(prompt_tokens_total=served * t, requests_waiting=16,
+                                                     queued_prompt_tokens=32_000.0)})
+               for t in (0.0, 10.0, 20.0)]
+    policy, state = TokenPolicy(CAPACITY), ScaleState(1)
+    for earlier, later in zip(scrapes, scrapes[1:]):
+        demand = token_demand(earlier, later)
+        assert demand.prefill_tokens_per_s == pytest.approx(served + 3_200.0)
+        decision, state, fig = policy.decide(state, later.time_s, demand, bounds_for_tier("hot", 4))
+    assert state.replicas == 2, fig.arithmetic
+    # without the queue the same served tokens read 0.96 and hold one replica
+    bare = [FleetScrape(s.time_s, {"r0": ReplicaCounters(prompt_tokens_total=served * s.time_s)}) for s in scrapes]
+    assert token_desired_replicas(token_demand(bare[0], bare[1]), CAPACITY, 1.25).value == 1
+
+
+def test_the_backlog_is_read_at_the_windows_end_only():
+    earlier = FleetScrape(0.0, {"r0": ReplicaCounters(0.0, queued_prompt_tokens=5_000.0)})
+    drained = FleetScrape(5.0, {"r0": ReplicaCounters(5_000.0)})
+    assert token_demand(earlier, drained).prefill_tokens_per_s == pytest.approx(1_000.0)   # served once, not twice

@@ -38,12 +38,14 @@ def _raw(samples: dict[str, list[tuple[float, dict[str, float]]]]) -> dict:
     return raw
 
 
-def _stats(prompt: float, generated: float, hits: float = 0.0, running: int = 0) -> dict[str, float]:
+def _stats(prompt: float, generated: float, hits: float = 0.0, running: int = 0,
+           queued_tokens: float = 0.0) -> dict[str, float]:
     metrics = ServerMetrics()                       # the replica's own metrics, as its engine client fills them
     metrics.prompt_tokens.inc(prompt)
     metrics.generation_tokens.inc(generated)
     metrics.prefix_hit_tokens.set_total(hits)
     metrics.running.set(running)
+    metrics.queued_prompt_tokens.set(queued_tokens)
     return replica_autoscaling_stats(metrics)
 
 
@@ -72,15 +74,16 @@ def test_replica_stats_are_its_metrics_counters_summed_over_labels():
     assert replica_autoscaling_stats(metrics) == {
         "kvserve_prompt_tokens_total": 100.0, "kvserve_prefix_cache_hit_tokens_total": 40.0,
         "kvserve_generation_tokens_total": 10.0, "kvserve_num_requests_running": 0.0,
-        "kvserve_num_requests_waiting": 2.0}
+        "kvserve_num_requests_waiting": 2.0, "kvserve_num_queued_prompt_tokens": 0.0}
 
 
 def test_scrape_takes_each_replicas_newest_sample():
-    raw = _raw({"a": [(10.0, _stats(100, 10)), (12.0, _stats(300, 30, hits=50, running=2))],
+    raw = _raw({"a": [(10.0, _stats(100, 10)), (12.0, _stats(300, 30, hits=50, running=2, queued_tokens=64))],
                 "b": [(11.0, _stats(40, 4))]})
     scrape = scrape_from_raw(raw, now_s=99.0, queued_requests=3)
     assert scrape.time_s == 12.0 and scrape.queued_requests == 3
     assert scrape.replicas["a"].prompt_tokens_computed_total == 250 and scrape.replicas["a"].requests_running == 2
+    assert scrape.replicas["a"].queued_prompt_tokens == 64 and scrape.replicas["b"].queued_prompt_tokens == 0
     assert scrape.replicas["b"].generation_tokens_total == 4
     assert scrape_from_raw({}, now_s=99.0).time_s == 99.0          # no replica: the tick's time
 
@@ -209,3 +212,15 @@ def test_a_cold_model_promoted_by_its_load_keeps_a_replica_until_the_load_falls_
     assert all(retiered[t][0] >= 1 for t in range(130, 300, 10))    # hot: its floor is one replica
     assert retiered[240.0][1]["tier"] == "cold"                      # a window below demote: planned tier
     assert retiered[300.0][0] == 0                                   # then to zero after the down window
+
+
+def test_the_backlog_gauge_counts_the_unscheduled_requests_prompt_past_the_cache():
+    from kvserve.server.engine_client import EngineClient, TrackedRequest
+    metrics = ServerMetrics()
+    client = EngineClient(None, metrics, {})
+    client.requests = {"a": TrackedRequest("a", None, 0, 300, 0.0, num_uncached_tokens=200),
+                       "b": TrackedRequest("b", None, 1, 500, 0.0, num_uncached_tokens=500, started=True)}
+    client.refresh_queue_gauges()                  # what /metrics and record_autoscaling_stats call first
+    stats = replica_autoscaling_stats(metrics)
+    assert stats["kvserve_num_queued_prompt_tokens"] == 200.0        # "b" is scheduled; "a" less its cached 100
+    assert "kvserve_num_queued_prompt_tokens 200" in metrics.render()
