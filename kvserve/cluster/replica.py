@@ -61,7 +61,7 @@ class EngineReplica:
         info = client.info
         return {"healthy": not self.server.ctx.state.engine_dead,
                 "num_running": sum(r.started for r in live), "num_waiting": sum(not r.started for r in live),
-                "queued_tokens": sum(r.num_uncached_tokens for r in live if not r.started),
+                "queued_tokens": client.num_queued_uncached_tokens,
                 "kv_usage": stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0,
                 "max_num_seqs": self.max_num_seqs, "block_size": info.block_size if info else 16,
                 "blocks": sorted(client.cached_blocks), "adapters": list(stats.adapters.resident_ids),

@@ -319,24 +319,7 @@ class ServerMetrics:
         self.kv_used = g("kvserve_kv_blocks_used", "KV cache blocks in use.")
         self.kv_total = g("kvserve_kv_blocks_total", "KV cache blocks in the pool.")
         self.kv_cached = g("kvserve_kv_blocks_cached", "KV blocks held only by the prefix cache (reclaimable).")
-        self.prefix_hit_rate = g("kvserve_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / "
-                                 "prompt tokens looked up, since start.", additive=False)
-        self.prefix_hit_tokens = c("kvserve_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.")
-        self.prefix_queries = c("kvserve_prefix_cache_queries_total", "Prefix cache lookups (one per admitted "
-                                "request that uses the cache).")
-        self.prefix_evicted = c("kvserve_prefix_cache_evicted_blocks_total",
-                                "Cached blocks evicted (reused for other requests or dropped by a reset).")
-        self.prefix_blocks = g("kvserve_prefix_cache_blocks", "Blocks the prefix cache indexes.")
-        self.spec_proposed = c("kvserve_spec_draft_tokens_total", "Speculative draft tokens verified.")
-        self.spec_accepted = c("kvserve_spec_accepted_tokens_total", "Speculative draft tokens accepted.")
-        self.spec_accepted_pos = c("kvserve_spec_accepted_tokens_per_position_total",
-                                   "Verifications that accepted the draft at this position (0 = first).")
-        self.spec_verifications = c("kvserve_spec_verifications_total",
-                                    "Sequence-steps that verified at least one draft.")
-        self.spec_mean_len = g("kvserve_spec_mean_accepted_length",
-                               "Draft tokens accepted per verification, since start.", additive=False)
-        self.spec_steps_off = c("kvserve_spec_steps_off_total",
-                                "Decode steps where speculation was switched off because it would not pay.")
+        self._init_prefix_cache_and_speculation()
         self.step_fixed = g("kvserve_step_time_fixed_seconds", "Measured step time t = a + b x tokens: a.",
                             additive=False)
         self.step_per_token = g("kvserve_step_time_per_token_seconds", "Measured step time t = a + b x tokens: b.",
@@ -359,12 +342,34 @@ class ServerMetrics:
         self.parallel = ParallelMetrics()         # rendered once the engine has ranks or experts
         self._all = [self.ttft, self.itl, self.e2e, self.queue, self.running, self.waiting, self.in_flight,
                      self.queued, self.queued_prompt_tokens, self.kv_used, self.kv_total, self.kv_cached,
-                     self.prefix_hit_rate,
-                     self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted, self.prefix_blocks,
+                     self.prefix_hit_rate, self.prefix_hit_tokens, self.prefix_queries, self.prefix_evicted,
+                     self.prefix_blocks,
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
                      self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
                      self.rejected, *self.start.all, *self.classes.all, *self.tenants.all]
+
+    def _init_prefix_cache_and_speculation(self) -> None:
+        """The prefix cache's and speculative decoding's series."""
+        g, c = Gauge, Counter
+        self.prefix_hit_rate = g("kvserve_prefix_cache_hit_rate", "Prompt tokens served by the prefix cache / "
+                                 "prompt tokens looked up, since start.", additive=False)
+        self.prefix_hit_tokens = c("kvserve_prefix_cache_hit_tokens_total", "Prompt tokens served by the prefix cache.")
+        self.prefix_queries = c("kvserve_prefix_cache_queries_total", "Prefix cache lookups (one per admitted "
+                                "request that uses the cache).")
+        self.prefix_evicted = c("kvserve_prefix_cache_evicted_blocks_total",
+                                "Cached blocks evicted (reused for other requests or dropped by a reset).")
+        self.prefix_blocks = g("kvserve_prefix_cache_blocks", "Blocks the prefix cache indexes.")
+        self.spec_proposed = c("kvserve_spec_draft_tokens_total", "Speculative draft tokens verified.")
+        self.spec_accepted = c("kvserve_spec_accepted_tokens_total", "Speculative draft tokens accepted.")
+        self.spec_accepted_pos = c("kvserve_spec_accepted_tokens_per_position_total",
+                                   "Verifications that accepted the draft at this position (0 = first).")
+        self.spec_verifications = c("kvserve_spec_verifications_total",
+                                    "Sequence-steps that verified at least one draft.")
+        self.spec_mean_len = g("kvserve_spec_mean_accepted_length",
+                               "Draft tokens accepted per verification, since start.", additive=False)
+        self.spec_steps_off = c("kvserve_spec_steps_off_total",
+                                "Decode steps where speculation was switched off because it would not pay.")
 
     def update_engine(self, stats: EngineStats) -> None:
         """Mirror the engine's gauges and counters (EngineCore.stats)."""
