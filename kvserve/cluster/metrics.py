@@ -113,6 +113,9 @@ class ClusterMetrics:
                                        "Prompt tokens the chosen replica holds in its prefix cache as the router "
                                        "knows it, per routing decision of a generation request, by policy.",
                                        CACHED_TOKEN_BUCKETS)
+        self.stats_age = Histogram("kvserve_router_stats_age_seconds",
+                                   "How old each replica's routing stats (load, KV use, cached blocks) were when "
+                                   "the router decided, per replica per routing decision of a generation request.")
         self.retries = Counter("kvserve_ingress_retries_total",
                                "Requests retried on another replica after a failure before the first byte.")
         self.not_routed = Counter("kvserve_ingress_not_routed_total",
@@ -148,8 +151,8 @@ class ClusterMetrics:
         self.limited = Counter("kvserve_ingress_rate_limited_total",
                                "Requests the fleet-wide tenant limits refused at the ingress, by tenant and status "
                                "(429: rate or token limit).")
-        self.all = [self.decisions, self.cached_tokens, self.retries, self.not_routed, self.failures, self.breaker_state,
-                    self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed,
+        self.all = [self.decisions, self.cached_tokens, self.stats_age, self.retries, self.not_routed, self.failures,
+                    self.breaker_state, self.breaker_opened, self.replicas, self.rung, self.engagements, self.pressure, self.overflowed,
                     self.queue_waiting, self.queue_in_flight, self.queue_wait, self.queue_timeouts, self.limited]
         self.additive = additive_families()
 
@@ -160,6 +163,8 @@ class ClusterMetrics:
         self.decisions.inc(policy=decision["policy"], reason=decision["reason"])
         if generation and decision["reason"] != "fallback":
             self.cached_tokens.observe(decision["cached_tokens"], policy=decision["policy"])
+        for age in decision.get("stats_age_s", ()) if generation else ():
+            self.stats_age.observe(age)
 
     def update_breakers(self, *pools: ReplicaBreakers) -> None:
         """Mirror each known replica's breaker, of every pool (dropped replicas' series go)."""

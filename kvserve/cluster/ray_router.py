@@ -7,11 +7,15 @@ alpha: ray[serve] is pinned (pyproject's ``cluster`` extra).
 
 The router reports each decision by writing it into the request's ``route`` (``route
 ["decision"]``: replica, policy, reason, cached tokens, the replicas it saw, those that
-reported an unhealthy engine, and the KV use of the fullest one, for the degradation ladder). Ray Serve 2.60 runs a handle's request router in the process
-that holds the handle (the ingress), hands ``choose_replicas`` the caller's keyword
-arguments (a shallow copy: ``route`` is the ingress's own dict) and serialises them only
-when it sends the request, so the ingress reads the decision there, even when the replica
-fails, and counts it in its metrics (``cluster/metrics.py``)."""
+reported an unhealthy engine, the KV use of the fullest one, for the degradation ladder, and
+how old each replica's stats were: Ray Serve's controller records them every
+``request_routing_stats_period_s`` and broadcasts them, so the router decides on a view up to a
+period and the broadcast old, which the fleet simulator's router view models). Ray Serve 2.60
+runs a handle's request router in the process that holds the handle (the ingress), hands
+``choose_replicas`` the caller's keyword arguments (a shallow copy: ``route`` is the
+ingress's own dict) and serialises them only when it sends the request, so the ingress reads
+the decision there, even when the replica fails, and counts it in its metrics
+(``cluster/metrics.py``)."""
 from __future__ import annotations
 
 import logging
@@ -75,6 +79,8 @@ class KVServeRequestRouter(RequestRouter):
         route = pending_request.kwargs.get("route") if pending_request is not None else None
         route = route if isinstance(route, dict) else {}
         states = [self._state(r) for r in candidate_replicas]
+        now = time.time()
+        ages = [now - r.routing_stats["time"] for r in candidate_replicas if "time" in (r.routing_stats or {})]
         unhealthy = [s.name for s in states if not s.healthy]
         avoid, blocked = set(route.get("avoid", ())), set(route.get("blocked", ()))
         for state in states:
@@ -86,7 +92,8 @@ class KVServeRequestRouter(RequestRouter):
                              "reason": decision.reason if decision else "fallback",
                              "cached_tokens": decision.cached_tokens if decision else 0,
                              "replicas": [s.name for s in states], "unhealthy": unhealthy,
-                             "kv_usage": max((s.kv_usage for s in states), default=0.0)}
+                             "kv_usage": max((s.kv_usage for s in states), default=0.0),
+                             "stats_age_s": [round(age, 4) for age in ages]}
         if decision is None:
             return [candidate_replicas]              # none routable: let Ray Serve try them all
         chosen = next(r for r in candidate_replicas if r.replica_id.unique_id == decision.replica)

@@ -159,6 +159,8 @@ def test_the_ingress_metrics_label_each_replica_and_count_decisions(cluster):
     assert samples['kvserve_router_decisions_total{policy="kv_aware",reason="prefix"}'] >= 1
     assert samples['kvserve_router_decision_cached_tokens_count{policy="kv_aware"}'] >= 4
     assert samples['kvserve_router_decision_cached_tokens_sum{policy="kv_aware"}'] > 0
+    ages = samples["kvserve_router_stats_age_seconds_count"]     # Ray Serve recorded the replicas' stats
+    assert ages >= 2 and 0 < samples["kvserve_router_stats_age_seconds_sum"] / ages < 10
 
 
 def test_the_ladder_sheds_batch_requests_only(cluster):

@@ -84,6 +84,19 @@ def test_router_decisions_and_prefix_hit_tokens_per_decision():
     assert samples['kvserve_router_decision_cached_tokens_bucket{policy="kv_aware",le="64.0"}'] == 2
 
 
+def test_the_age_of_the_stats_each_decision_read_per_replica():
+    metrics = ClusterMetrics()
+    metrics.observe_decision({"policy": "least_loaded", "reason": "least_loaded", "cached_tokens": 0,
+                              "stats_age_s": [0.2, 0.6]}, True)
+    metrics.observe_decision({"policy": "least_loaded", "reason": "least_loaded", "cached_tokens": 0,
+                              "stats_age_s": [5.0]}, False)                 # a scrape: not a request's
+    metrics.observe_decision({"policy": "least_loaded", "reason": "fallback", "cached_tokens": 0}, True)
+    samples = parse_metrics(metrics.render({}, []))
+    assert samples["kvserve_router_stats_age_seconds_count"] == 2
+    assert samples["kvserve_router_stats_age_seconds_sum"] == pytest.approx(0.8)
+    assert samples['kvserve_router_stats_age_seconds_bucket{le="0.5"}'] == 1
+
+
 def test_breaker_states_and_the_rung_are_series():
     clock = [0.0]
     breakers = ReplicaBreakers(failure_threshold=2, open_s=5.0, clock=lambda: clock[0])
