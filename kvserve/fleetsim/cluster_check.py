@@ -10,8 +10,9 @@ the running cluster, with its serving-path latency), the cluster's autoscaling s
 (``AutoscaleSettings``: the same capacity, headroom, demand window and down-scaling window; the
 decisions' rhythm and delay from Ray Serve's metrics pipeline, ``ray_decision_timing``), the
 ingress's queue (``cluster/admission.py``: at most ``fleet_slots`` requests on the replicas, the
-rest wait at the ingress and take the slots as requests finish) and the replica start the
-cluster was measured to take.
+rest wait at the ingress and take the slots as requests finish), the router's view of the
+replicas (their stats as Ray Serve delivers them, ``router_view.StaleView``, at the age the
+cluster measured) and the replica start the cluster was measured to take.
 
 Compared (``compare_cluster``): TTFT p50 and p99 and TPOT p50 of the requests, and the serving replica count
 over time: replica-seconds over the trace and the mean absolute difference of the two step
@@ -69,7 +70,8 @@ def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
 
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                         settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
-                        queue_wait_s: float = float("inf"), host: SharedHost | None = None
+                        queue_wait_s: float = float("inf"), host: SharedHost | None = None,
+                        router_stats: tuple[float, float] | None = None
                         ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
@@ -80,7 +82,8 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     queue (``cluster/admission.fleet_slots``): beyond ``slots`` requests on the replicas, the
     rest wait at the deployment, at most ``queue_wait_s``. The replicas run the engine's scheduler
     (``SchedulerReplica``) on ``host`` (``host_cpu.SharedHost``: the cores they, the replicas
-    starting and the serving plane share; None: each its own)."""
+    starting and the serving plane share; None: each its own). ``router_stats``: (period, delay) of
+    the replica stats the router places requests by (``router_view.StaleView``; None: live)."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
@@ -94,7 +97,9 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
                         autoscale_interval_s=interval, decision_delay_s=delay,
                         downscale_window_s=settings.downscale_window_s,
                         headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
-                        max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",))
+                        max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",),
+                        router_stats_period_s=router_stats[0] if router_stats else None,
+                        router_stats_delay_s=router_stats[1] if router_stats else 0.0)
     sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
                    functools.partial(SchedulerReplica, host=host), host=host)
     serving = sim.run()["serving"]
@@ -147,6 +152,23 @@ def _latency(log: RequestLog) -> dict:
     return {"p50_ttft_s": float(np.percentile(ttft, 50)), "p99_ttft_s": float(np.percentile(ttft, 99)),
             "p50_tpot_s": float(np.percentile(tpot, 50)), "served": int(ttft.size),
             "not_served": int(len(log) - ttft.size)}
+
+
+def pooled_latency(measured: list[RequestLog], simulated: list[RequestLog]) -> dict:
+    """TTFT p50 / p90 / p99 and TPOT p50 over the requests of several runs taken together,
+    measured and simulated, with the ratios simulated / measured: one short trace's p99 is its
+    slowest one or two requests, which the runs' pooled requests hold to a sample."""
+    out = {}
+    for side, logs in (("measured", measured), ("simulated", simulated)):
+        arrays = [log.arrays() for log in logs]
+        ttft = np.concatenate([a["ttft_s"] for a in arrays])
+        tpot = np.concatenate([a["tpot_s"] for a in arrays])
+        out[side] = {"requests": int(ttft.size), "p50_ttft_s": float(np.nanpercentile(ttft, 50)),
+                     "p90_ttft_s": float(np.nanpercentile(ttft, 90)), "p99_ttft_s": float(np.nanpercentile(ttft, 99)),
+                     "p50_tpot_s": float(np.nanpercentile(tpot, 50))}
+    out["ratio"] = {k: round(out["simulated"][k] / out["measured"][k], 3)
+                    for k in ("p50_ttft_s", "p90_ttft_s", "p99_ttft_s", "p50_tpot_s")}
+    return out
 
 
 def compare_cluster(measured: RequestLog, measured_steps: list[tuple[float, int]], simulated: RequestLog,

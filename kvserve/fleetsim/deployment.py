@@ -4,7 +4,8 @@ GPU-seconds it holds per residency tier.
 
 A request for a model with ready replicas goes where the router's policy
 (``router/policies.py``, ``least_loaded`` by default) sends it, from each replica's
-``ReplicaState``. The prefix policies (``prefix_approx``, ``kv_aware``) read the request's
+``ReplicaState`` as the deployment's router view shows it (``router_view.py``: as the replicas
+are now, or as a Ray Serve router sees their periodic stats). The prefix policies (``prefix_approx``, ``kv_aware``) read the request's
 prompt ids (``prompt_ids.py``) on the simulated clock; ``kv_aware``'s block index is fed the
 replicas' cache events (``SchedulerReplica(prefix_cache=True)``), and a replica that leaves is
 forgotten. With none ready a request waits in the deployment's queue (as the cluster's
@@ -29,6 +30,7 @@ from kvserve.fleetsim.conversations import conversation_of
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.prompt_ids import prompt_token_ids
 from kvserve.fleetsim.replica import BatchReplica
+from kvserve.fleetsim.router_view import FreshView
 from kvserve.fleetsim.sizing import ReplicaSizing, weights_in_host_memory
 from kvserve.router.policies import PrefixAware, make_policy
 from kvserve.router.state import ReplicaState, RouteRequest
@@ -52,8 +54,9 @@ class Deployment:
 
     def __init__(self, index: int, sizing: ReplicaSizing, tier: ResidencyTier, log: RequestLog,
                  replica_factory=BatchReplica, router: str = "least_loaded", slots: int | None = None,
-                 host=None, session_keys: bool = False):
+                 host=None, session_keys: bool = False, view=None):
         self.index = index
+        self.view = view if view is not None else FreshView()   # what the router knows of the replicas
         self.session_keys = session_keys               # requests carry their conversation as prompt_cache_key
         self.host = host if host is not None else _OwnDevices()   # what the starts load
         self.slots = slots                             # requests on the replicas at most (None: no bound)
@@ -157,6 +160,7 @@ class Deployment:
         for replica in sorted(self.ready, key=lambda r: (r.num_running + r.num_waiting, r.name))[:max(0, count)]:
             self.ready.remove(replica)
             del self.states[replica.name]
+            self.view.forget(replica.name)
             if self.reads_prompts:
                 replica.cache_listener = None          # it drains unseen by the router
                 self.policy.index.forget(replica.name)
@@ -188,17 +192,17 @@ class Deployment:
         """Place ``request`` on a ready replica by the router's policy; (replica, its next event)."""
         self.now = now
         ids = None
+        cached = 0
         if len(self.ready) == 1 and not self.reads_prompts:
             replica = self.ready[0]
         else:
             for r in self.ready:
-                state = self.states[r.name]
-                state.num_running, state.num_waiting, state.kv_usage = r.num_running, r.num_waiting, r.kv_usage
-                state.queued_tokens = r.queued_tokens
+                self.view.fill(self.states[r.name], r, now)
             ids = prompt_token_ids(self.log, request) if self.reads_prompts else None
             route = RouteRequest(tuple(ids), session_key=self._session(request)) if ids is not None else _NO_TOKENS
-            name = self.policy.choose(list(self.states.values()), route).replica
-            replica = next(r for r in self.ready if r.name == name)
+            decision = self.policy.choose(list(self.states.values()), route)
+            replica, cached = next(r for r in self.ready if r.name == decision.replica), decision.cached_tokens
+        self.view.routed(replica.name, now, max(0, self.log.prompt[request] - cached))
         self.in_flight += 1
         return replica, replica.submit(request, now, ids)
 

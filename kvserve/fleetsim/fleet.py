@@ -8,7 +8,9 @@ replica's segment end (``BatchReplica.complete``; the slots of the requests it f
 the deployment's queue), a replica becoming ready, the autoscaler
 tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
 model's ``ModelScaler`` decides; the decision takes effect ``decision_delay_s`` later, the age of
-the metrics a real controller decides from), and the re-tiering tick (every ``retier_interval_s``). No
+the metrics a real controller decides from), the re-tiering tick (every ``retier_interval_s``) and,
+with ``router_stats_period_s``, the record of the replicas' stats the routers see
+(``router_view.StaleView``). No
 clock is read and every choice is ordered, so the same scenario gives the same result.
 """
 from __future__ import annotations
@@ -23,11 +25,12 @@ from kvserve.fleetsim.conversations import TurnGate
 from kvserve.fleetsim.deployment import Deployment
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.replica import BatchReplica
+from kvserve.fleetsim.router_view import router_view
 from kvserve.fleetsim.scaling import POLICIES, ModelScaler, replicas_for_rate
 from kvserve.fleetsim.scenario import Scenario
 from kvserve.fleetsim.sizing import ReplicaSizing
 
-REPLICA, READY, TICK, RETIER, APPLY, ARRIVE = 0, 1, 2, 3, 4, 5
+REPLICA, READY, TICK, RETIER, APPLY, ARRIVE, STATS = 0, 1, 2, 3, 4, 5, 6
 TIMELINE_EVERY_S = 300.0
 
 
@@ -49,7 +52,8 @@ class FleetSim:
         for i, (sizing, model) in enumerate(zip(sizings, scenario.models)):
             tier = self._initial_tier(model.name)
             dep = Deployment(i, sizing, tier, log, replica_factory, router, scenario.ingress_slots, host,
-                             session_keys=model.session_keys)
+                             session_keys=model.session_keys,
+                             view=router_view(scenario.router_stats_period_s, scenario.router_stats_delay_s))
             wanted = (initial_replicas[i] if initial_replicas is not None
                       else self._initial_replicas(tier, sizing, model, peak_rps[i], initial_rps[i]))
             for _ in range(wanted):
@@ -97,6 +101,8 @@ class FleetSim:
             self._push(s.autoscale_interval_s, TICK, None, None)
         if self.policy.tiers == "planned":
             self._push(s.retier_interval_s, RETIER, None, None)
+        if s.router_stats_period_s is not None:
+            self._push(0.0, STATS, None, None)
         arrival, heap, turns = self.log.arrival, self.heap, self.turns
         for request in range(len(arrival)):
             t_next = arrival[request]
@@ -155,8 +161,19 @@ class FleetSim:
         elif kind == APPLY:
             self._apply(self.deployments[a], b, t)
             self._note_serving(t)
+        elif kind == STATS:
+            self._record_stats(t)
         else:
             self._retier(t)
+
+    def _record_stats(self, now: float) -> None:
+        """The controller records every ready replica's stats for the routers (``router_view``),
+        and again a period later while the trace runs or anything else is due."""
+        for dep in self.deployments:
+            dep.view.snapshot(dep.ready, now)
+        period = self.scenario.router_stats_period_s
+        if now + period <= self.scenario.duration_s or self.heap:
+            self._push(now + period, STATS, None, None)
 
     def _scale_from_zero(self, dep: Deployment, now: float) -> None:
         """A request for a model with no replica: start one now unless one is starting."""

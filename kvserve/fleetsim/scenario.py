@@ -88,6 +88,8 @@ class Scenario:
     headroom: float = 1.25
     max_queue_wait_s: float = 120.0      # a request for a model with no replica waits at most this
     ingress_slots: int | None = None     # per model, requests on its replicas at most (the cluster ingress's queue)
+    router_stats_period_s: float | None = None   # the router sees replica stats recorded this often (None: live)
+    router_stats_delay_s: float = 0.0    # ... this much after they were recorded (``router_view.StaleView``)
     retier_interval_s: float = 600.0
     host_cache_bytes: float = 256 * 2**30
     max_replicas: int = 64
