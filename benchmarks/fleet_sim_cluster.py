@@ -21,16 +21,23 @@
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
    slowed by the probe's factors and per-sequence cost, the probe's path latency, the replica
-   start the cluster took, and the host's cores shared by the busy engines, the replicas starting
-   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane
-   (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit without the
-   shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out).
+   start the cluster took, the host's cores shared by the busy engines, the replicas starting
+   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane, and
+   the router's view of the replicas: their stats as Ray Serve delivers them, every
+   ``ROUTING_STATS_PERIOD_S`` and as old as the ingress measured at its decisions
+   (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). Beside it, the same with
+   one part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
+   without the shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out;
+   ``router_view_live``: the router sees the replicas as they are).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
+        [--seed N] [--runs K]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
-(simulated / measured); the issue's bar is within 20%.
+(simulated / measured); the issue's bar is within 20%. With ``--runs K``: each run's object
+under ``runs`` and, under ``pooled``, the latencies over all the runs' requests together
+(``cluster_check.pooled_latency``).
 """
 from __future__ import annotations
 
@@ -108,6 +115,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
+    from kvserve.fleetsim.router_view import delay_from_mean_age
+    from kvserve.cluster.app import ROUTING_STATS_PERIOD_S
     from kvserve.loader.api import default_model_path
 
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
@@ -124,20 +133,25 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
         snapshots = []
         measured, served_by, changes = asyncio.run(replay_and_watch(
             cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu())))
+        stats_age_s = mean_stats_age(cluster.url)
     starts = start_durations(changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
     start_cores = starting_cores(changes, snapshots)
     fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
                    one_at_a_time=len(probe) - args.max_num_seqs)
+    stats = (ROUTING_STATS_PERIOD_S, delay_from_mean_age(stats_age_s, ROUTING_STATS_PERIOD_S))
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown)
-    simulated, sim_steps = on_fit(SharedHost(host_cores(), args.threads, plane, start_cores))
-    end = sum(seconds for seconds, _ in phases)
-    result = compare_cluster(measured, running_steps(changes), simulated, sim_steps, end)
-    on_profile = compare_cluster(measured, running_steps(changes), *simulate(trace, 1.0, 0.0, start_s), end)
-    unshared = compare_cluster(measured, running_steps(changes), *on_fit(None), end)
-    starts_free = compare_cluster(measured, running_steps(changes),
-                                  *on_fit(SharedHost(host_cores(), args.threads, plane)), end)
+    host = SharedHost(host_cores(), args.threads, plane, start_cores)
+    simulated, sim_steps = on_fit(host, router_stats=stats)
+    compare = functools.partial(compare_cluster, measured, running_steps(changes),
+                                end_s=sum(seconds for seconds, _ in phases))
+    result = compare(simulated, sim_steps)
+    variants = {name: compare(*run) for name, run in (
+        ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats)),
+        ("cores_unshared", on_fit(None, router_stats=stats)),
+        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane), router_stats=stats)),
+        ("router_view_live", on_fit(host)))}
     hw = simulate.hw
     return {"load_phases": [list(p) for p in phases],
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
@@ -146,11 +160,20 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
+            "router_stats": {"period_s": stats[0], "mean_age_s": round(stats_age_s, 4), "delay_s": round(stats[1], 4)},
             "measured_requests_per_replica": dict(Counter(map(str, served_by))),
-            **result, "profile_alone": {"simulated": on_profile["simulated"], "ratio": on_profile["ratio"]},
-            "cores_unshared": {"simulated": unshared["simulated"], "ratio": unshared["ratio"]},
-            "starts_cost_no_cpu": {"simulated": starts_free["simulated"], "ratio": starts_free["ratio"]}}, \
+            **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
         measured, simulated
+
+
+def mean_stats_age(url: str) -> float:
+    """The mean age of the replica stats the cluster's router decided on
+    (``kvserve_router_stats_age_seconds`` on the ingress's ``/metrics``; 0 before any decision)."""
+    import httpx
+    from kvserve.server.metrics import parse_metrics
+    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=30.0).text)
+    count = samples.get("kvserve_router_stats_age_seconds_count", 0.0)
+    return samples.get("kvserve_router_stats_age_seconds_sum", 0.0) / count if count else 0.0
 
 
 def starting_cores(changes: list, snapshots: list) -> float:
@@ -188,14 +211,16 @@ class ClusterSimulator:
                           kv_dtype(wdtype), 1)
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
-                 path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None):
+                 path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
+                 router_stats: tuple[float, float] | None = None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
         cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         from kvserve.cluster.admission import fleet_slots
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
-                                   self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host)
+                                   self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
+                                   router_stats)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:
@@ -210,13 +235,22 @@ def main() -> None:
                              "(default 20:0.25,40:0.8,40:0.2)")
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dump", default=None, help="pickle both request logs' arrays here")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="repeat on the traces of seeds SEED.. SEED+RUNS-1, a cluster and (without --hardware) "
+                             "a profile each, and pool their requests' latencies (one run's p99 is its slowest "
+                             "one or two requests)")
+    parser.add_argument("--dump", default=None, help="pickle both request logs' arrays here (each run's)")
     args = parser.parse_args()
-    result, measured, simulated = check(args.hardware or profile(), args.phases, seed=args.seed)
+    runs = [check(args.hardware or profile(), args.phases, seed=args.seed + k) for k in range(args.runs)]
     if args.dump:
         with open(args.dump, "wb") as f:
-            pickle.dump({"measured": measured.arrays(), "simulated": simulated.arrays(), "result": result}, f)
-    print(json.dumps(result, indent=1))
+            pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r} for r, m, s in runs], f)
+    if args.runs == 1:
+        print(json.dumps(runs[0][0], indent=1))
+        return
+    from kvserve.fleetsim.cluster_check import pooled_latency
+    print(json.dumps({"runs": [r for r, _, _ in runs], "seeds": [args.seed + k for k in range(args.runs)],
+                      "pooled": pooled_latency([m for _, m, _ in runs], [s for _, _, s in runs])}, indent=1))
 
 
 if __name__ == "__main__":

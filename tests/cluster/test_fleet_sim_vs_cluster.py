@@ -64,6 +64,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     assert fit["fitted_batch_tpot_s"] == pytest.approx(fit["measured_batch_tpot_s"], rel=0.05), fit
     assert plane["background_cores"] < 0.5 * result["host_cores"] and 0.0 < plane["cpu_ms_per_token"] < 20.0, plane
     assert 0.0 < result["start_cpu_cores"] <= result["host_cores"], result      # the scale-up's processes ran
+    stats = result["router_stats"]                    # the age of the replica stats the router decided on
+    assert 0.0 < stats["mean_age_s"] < 5.0 and stats["delay_s"] >= 0.0, stats
     assert 0.8 <= result["ratio"]["replica_seconds"] <= 1.2, result
     assert result["replica_count_mean_abs_diff_over_mean"] <= 0.2, result
     assert 0.6 <= result["ratio"]["p50_ttft_s"] <= 1.4, result
