@@ -18,7 +18,8 @@ latency the serving path adds to a first token, and /proc gives the serving plan
 streamed token (``fleetsim/host_cpu.py``); the simulator plays the trace with the ingress's
 queue, the engine's scheduler and that host, its cores shared by the busy engines, the replicas
 starting (the cores the processes of a scale-up kept busy, from /proc snapshots at the start's
-ends) and the plane. The fit is checked to be sane (slowdowns of at most 1.5x, at most 20 ms
+ends) and the plane, and its router sees the replicas' stats as Ray Serve delivers them to the
+cluster's router, as old as the ingress measured (``fleetsim/router_view.py``). The fit is checked to be sane (slowdowns of at most 1.5x, at most 20 ms
 per sequence, a path of at most 0.2 s, the batch's TPOT reproduced, a plane of under 20 ms per
 token, a start's cores within the host's).
 
@@ -34,8 +35,9 @@ difference of the two step functions over the mean; over three runs 0.99x-1.02x 
 TTFT p50 is held to 0.6x-1.4x (0.85x-0.88x over the three runs). TTFT p99 only to a sanity band
 (0.25x-1.5x): before the second replica one replica runs near saturation, where the queue
 amplifies every difference in service time and in the moment of the scale-up, the cluster itself
-moves from run to run, and p99 of 72-78 requests is their slowest one or two (0.61x-0.75x over
-the three runs, 0.78x-1.11x over four before the backlog term; docs/fleet_simulator.md).
+moves from run to run, and p99 of 69-81 requests is their slowest one or two (0.41x-1.34x over
+ten runs; pooled over five traces 0.54x, the cluster decoding slower under the trace than its
+probe in three of them; docs/fleet_simulator.md).
 Outside these the simulator, the profile or the cluster broke.
 """
 from __future__ import annotations
