@@ -7,8 +7,11 @@ event, ``conversations.TurnGate``), a
 replica's segment end (``BatchReplica.complete``; the slots of the requests it finished go to
 the deployment's queue), a replica becoming ready, the autoscaler
 tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
-model's ``ModelScaler`` decides; the decision takes effect ``decision_delay_s`` later, the age of
-the metrics a real controller decides from), the re-tiering tick (every ``retier_interval_s``) and,
+model's replicas are read), the decision on that reading (``ModelScaler.decide``, applied at
+once) ``decision_delay_s`` after it, the age of the metrics a real controller decides from, a
+down step falling due between two decisions (the scaler re-decides on the input it holds,
+``ModelScaler.recheck``, as kvserve's policy does on every tick of Ray Serve's controller), the
+re-tiering tick (every ``retier_interval_s``) and,
 with ``router_stats_period_s``, the record of the replicas' stats the routers see
 (``router_view.StaleView``). No
 clock is read and every choice is ordered, so the same scenario gives the same result.
@@ -30,7 +33,7 @@ from kvserve.fleetsim.scaling import POLICIES, ModelScaler, replicas_for_rate
 from kvserve.fleetsim.scenario import Scenario
 from kvserve.fleetsim.sizing import ReplicaSizing
 
-REPLICA, READY, TICK, RETIER, APPLY, ARRIVE, STATS = 0, 1, 2, 3, 4, 5, 6
+REPLICA, READY, TICK, RETIER, DECIDE, ARRIVE, STATS, DOWN_DUE = 0, 1, 2, 3, 4, 5, 6, 7
 TIMELINE_EVERY_S = 300.0
 
 
@@ -158,11 +161,14 @@ class FleetSim:
         elif kind == TICK:
             self._tick(t)
             self._note_serving(t)
-        elif kind == APPLY:
-            self._apply(self.deployments[a], b, t)
+        elif kind == DECIDE:
+            self._decide(self.deployments[a], self.scalers[a], b, t)
             self._note_serving(t)
         elif kind == STATS:
             self._record_stats(t)
+        elif kind == DOWN_DUE:
+            self._recheck(self.deployments[a], self.scalers[a], t)
+            self._note_serving(t)
         else:
             self._retier(t)
 
@@ -187,15 +193,33 @@ class FleetSim:
             self.rejected += dep.expire_queue(now, s.max_queue_wait_s)
             if not dep.held and not dep.queue and dep.tier is not ResidencyTier.HOT:
                 continue                       # nothing runs or waits: desired is 0 (bounds allow it)
-            want = scaler.decide(now, dep.tier, dep.active, dep.counters(now), dep.queued_without_replica)
+            reading = (now, dep.counters(now), dep.queued_without_replica)
             if s.decision_delay_s > 0:
-                self._push(now + s.decision_delay_s, APPLY, dep.index, want)
+                self._push(now + s.decision_delay_s, DECIDE, dep.index, reading)
             else:
-                self._apply(dep, want, now)
+                self._decide(dep, scaler, reading, now)
         if math.fmod(now, TIMELINE_EVERY_S) < s.autoscale_interval_s:
             self.timeline.append((now, self._gpus_by_tier()))
         if now + s.autoscale_interval_s <= s.duration_s:
             self._push(now + s.autoscale_interval_s, TICK, None, None)
+
+    def _decide(self, dep: Deployment, scaler: ModelScaler, reading: tuple, now: float) -> None:
+        """Decide at ``now`` on ``reading`` (its time, the replicas' counters, the requests queued
+        with no replica) and apply it; re-decide when a down step falls due before the next decision."""
+        read_at, counters, queued = reading
+        self._apply(dep, scaler.decide(now, dep.tier, dep.active, counters, queued, read_at), now)
+        self._watch_down_due(dep, scaler, now)
+
+    def _recheck(self, dep: Deployment, scaler: ModelScaler, now: float) -> None:
+        """A down step due between two decisions: the scaler re-decides on the input it holds."""
+        if dep.held:
+            self._apply(dep, scaler.recheck(now, dep.tier, dep.active), now)
+            self._watch_down_due(dep, scaler, now)
+
+    def _watch_down_due(self, dep: Deployment, scaler: ModelScaler, now: float) -> None:
+        due = scaler.down_due_s()
+        if due is not None and now < due < now + self.scenario.autoscale_interval_s:
+            self._push(due, DOWN_DUE, dep.index, None)
 
     def _apply(self, dep: Deployment, want: int, now: float) -> None:
         """Start or stop replicas so ``dep`` has ``want`` (serving + starting)."""

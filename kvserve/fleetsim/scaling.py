@@ -12,6 +12,10 @@
 ``ModelScaler`` holds one model's autoscaler: each interval it scrapes the replicas' counters
 (``autoscale/signals.FleetScrape``), computes the policy's desired count and stabilises it
 (``autoscale/policy``, ``autoscale/stabilize``) within the tier's bounds (``bounds_for_tier``).
+Between two intervals it holds that input, as kvserve's policy on Ray Serve does (the
+controller calls it every ~0.1 s tick; the demand changes only when a window closes), so a down
+step falls due when the stabiliser's window has passed (``down_due_s``, ``recheck``), not at the
+next interval after it.
 """
 from __future__ import annotations
 
@@ -64,25 +68,42 @@ class ModelScaler:
         self.state = ScaleState(replicas)
         self.scrape = FleetScrape(0.0)
         self.held: dict[str, float] = {}            # replica -> request-seconds held at the last decision
+        self.input = None                           # the last decision's demand (tokens) or ongoing requests
 
-    def decide(self, now: float, tier, active: int, counters: dict, queued: int) -> int:
+    def decide(self, now: float, tier, active: int, counters: dict, queued: int, read_at: float | None = None) -> int:
         """The replica count for ``now`` from the replicas' counters (name -> (prompt tokens computed,
         output tokens, running, waiting, request-seconds held, queued prompt tokens)) and ``queued``
-        requests waiting for a replica."""
-        scrape = FleetScrape(now, {name: ReplicaCounters(p, 0.0, g, run, wait, backlog)
-                                   for name, (p, g, run, wait, _, backlog) in counters.items()}, queued)
+        requests waiting for a replica, read at ``read_at`` (``now`` when None)."""
+        read_at = now if read_at is None else read_at
+        scrape = FleetScrape(read_at, {name: ReplicaCounters(p, 0.0, g, run, wait, backlog)
+                                       for name, (p, g, run, wait, _, backlog) in counters.items()}, queued)
+        if self.signal == "tokens":
+            if read_at <= self.scrape.time_s:
+                return active
+            self.input = token_demand(self.scrape, scrape)
+        else:
+            self.input = self._mean_ongoing(read_at, counters, queued)
+        self.scrape = scrape
+        return self.recheck(now, tier, active)
+
+    def recheck(self, now: float, tier, active: int) -> int:
+        """The replica count for ``now`` on the input of the last ``decide`` (none yet: ``active``)."""
+        if self.input is None:
+            return active
         bounds = bounds_for_tier(tier, self.max_replicas)
         state = replace(self.state, replicas=active)
-        if self.signal == "tokens":
-            demand = token_demand(self.scrape, scrape) if now > self.scrape.time_s else None
-            if demand is None:
-                return active
-            decision, self.state, _ = self.token_policy.decide(state, now, demand, bounds)
-        else:
-            decision, self.state, _ = self.request_policy.decide(state, now, self._mean_ongoing(now, counters, queued),
-                                                                 bounds)
-        self.scrape = scrape
+        policy = self.token_policy if self.signal == "tokens" else self.request_policy
+        decision, self.state, _ = policy.decide(state, now, self.input, bounds)
         return decision.replicas
+
+    def down_due_s(self) -> float | None:
+        """When the stabiliser's next down step falls due if the held input stays (None: no count
+        is waiting to go down)."""
+        state, config = self.state, self.token_policy.stabilizer
+        if state.below_since_s is None:
+            return None
+        due = state.below_since_s + config.downscale_window_s
+        return due if state.last_down_s is None else max(due, state.last_down_s + config.step_interval_s)
 
     def _mean_ongoing(self, now: float, counters: dict, queued: int) -> float:
         """Requests held per second since the last decision, summed over replicas, plus the queue."""

@@ -83,7 +83,7 @@ class Scenario:
     seed: int = 0
     bin_s: float = 60.0                  # traffic is drawn per bin (Poisson counts, uniform times)
     autoscale_interval_s: float = 10.0
-    decision_delay_s: float = 0.0        # a scale decision takes effect this much later (metrics' age)
+    decision_delay_s: float = 0.0        # a scale decision reads the replicas this much earlier (metrics' age)
     downscale_window_s: float = 300.0
     headroom: float = 1.25
     max_queue_wait_s: float = 120.0      # a request for a model with no replica waits at most this
