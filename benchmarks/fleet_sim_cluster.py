@@ -52,6 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from types import SimpleNamespace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -112,9 +113,9 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
-    from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost, idle_readings, process_cpu, read_cpu
+    from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import fit_host, probe_trace
-    from kvserve.fleetsim.replay import replay_and_watch, replay_trace, running_steps, start_durations
+    from kvserve.fleetsim.replay import running_steps, start_durations
     from kvserve.fleetsim.router_view import delay_from_mean_age
     from kvserve.cluster.app import ROUTING_STATS_PERIOD_S
     from kvserve.loader.api import default_model_path
@@ -126,32 +127,28 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     rates = load_rates(settings, phases)
     trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(args.max_num_seqs)
     vocab = simulate.cost(1.0).model.vocab_size
-    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
-        idle = idle_readings(IDLE_S, IDLE_WINDOWS)
-        probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1))
-        plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
-        snapshots = []
-        measured, served_by, changes = asyncio.run(replay_and_watch(
-            cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu())))
-        stats_age_s = mean_stats_age(cluster.url)
-    starts = start_durations(changes)
+    run = measure_cluster(flags, trace, probe, vocab, seed)
+    plane, lead_in = run.plane, (probe, run.probe_lead_s)
+    starts = start_durations(run.changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
-    start_cores = starting_cores(changes, snapshots)
-    fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
+    start_cores = starting_cores(run.changes, run.snapshots)
+    fit = fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
                    one_at_a_time=len(probe) - args.max_num_seqs)
-    stats = (ROUTING_STATS_PERIOD_S, delay_from_mean_age(stats_age_s, ROUTING_STATS_PERIOD_S))
+    stats = (ROUTING_STATS_PERIOD_S, delay_from_mean_age(run.stats_age_s, ROUTING_STATS_PERIOD_S))
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown)
     host = SharedHost(host_cores(), args.threads, plane, start_cores)
-    simulated, sim_steps = on_fit(host, router_stats=stats)
-    compare = functools.partial(compare_cluster, measured, running_steps(changes),
+    simulated, sim_steps = on_fit(host, router_stats=stats, lead_in=lead_in)
+    compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
-    variants = {name: compare(*run) for name, run in (
-        ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats)),
-        ("cores_unshared", on_fit(None, router_stats=stats)),
-        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane), router_stats=stats)),
-        ("router_view_live", on_fit(host)))}
+    variants = {name: compare(*sim) for name, sim in (
+        ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
+        ("cores_unshared", on_fit(None, router_stats=stats, lead_in=lead_in)),
+        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane), router_stats=stats,
+                                      lead_in=lead_in)),
+        ("router_view_live", on_fit(host, lead_in=lead_in)),
+        ("probe_not_played", on_fit(host, router_stats=stats)))}
     hw = simulate.hw
     return {"load_phases": [list(p) for p in phases],
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
@@ -160,10 +157,32 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
-            "router_stats": {"period_s": stats[0], "mean_age_s": round(stats_age_s, 4), "delay_s": round(stats[1], 4)},
-            "measured_requests_per_replica": dict(Counter(map(str, served_by))),
+            "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
+            "probe_lead_s": round(lead_in[1], 2),
+            "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
-        measured, simulated
+        run.measured, simulated
+
+
+def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> SimpleNamespace:
+    """Start ``kvserve cluster serve`` with ``flags``; read the idle host, play the probe, measure
+    the serving plane over it, play the trace while watching the replicas: ``probed`` and
+    ``measured`` (the filled logs), ``served_by``, ``changes`` (the replicas by state),
+    ``snapshots`` (the processes' CPU at each change), ``plane`` (``PlaneFit``), ``stats_age_s``
+    (``mean_stats_age``) and ``probe_lead_s`` (the probe was sent this long before the trace)."""
+    from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
+    from kvserve.fleetsim.replay import replay_and_watch, replay_trace
+    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
+        idle = idle_readings(IDLE_S, IDLE_WINDOWS)
+        probe_t0 = time.perf_counter()
+        probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1, t0=probe_t0))
+        plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
+        snapshots, trace_t0 = [], time.perf_counter()
+        measured, served_by, changes = asyncio.run(replay_and_watch(
+            cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
+        stats_age_s = mean_stats_age(cluster.url)
+    return SimpleNamespace(probed=probed, plane=plane, measured=measured, served_by=served_by, changes=changes,
+                           snapshots=snapshots, stats_age_s=stats_age_s, probe_lead_s=trace_t0 - probe_t0)
 
 
 def mean_stats_age(url: str) -> float:
@@ -212,7 +231,7 @@ class ClusterSimulator:
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
                  path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
-                 router_stats: tuple[float, float] | None = None):
+                 router_stats: tuple[float, float] | None = None, lead_in=None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
         cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
@@ -220,7 +239,7 @@ class ClusterSimulator:
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
                                    self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
-                                   router_stats)
+                                   router_stats, lead_in)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

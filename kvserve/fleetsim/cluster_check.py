@@ -71,7 +71,8 @@ def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                         settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
                         queue_wait_s: float = float("inf"), host: SharedHost | None = None,
-                        router_stats: tuple[float, float] | None = None
+                        router_stats: tuple[float, float] | None = None,
+                        lead_in: tuple[RequestLog, float] | None = None
                         ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
@@ -83,9 +84,20 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     rest wait at the deployment, at most ``queue_wait_s``. The replicas run the engine's scheduler
     (``SchedulerReplica``) on ``host`` (``host_cpu.SharedHost``: the cores they, the replicas
     starting and the serving plane share; None: each its own). ``router_stats``: (period, delay) of
-    the replica stats the router places requests by (``router_view.StaleView``; None: live)."""
+    the replica stats the router places requests by (``router_view.StaleView``; None: live).
+    ``lead_in``: (requests, seconds): requests sent that long before the trace started (the
+    cluster's probe), played first and left out of the result, so the autoscaler's first windows
+    hold their load as the cluster's do."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
+    if lead_in is not None:
+        lead, lead_s = lead_in
+        log, steps = simulate_autoscaled(lead.followed_by(trace, lead_s), cost, max_num_seqs, max_batched_tokens,
+                                         kv_tokens, settings, start_s, path_latency_s, slots, queue_wait_s, host,
+                                         router_stats)
+        played = log.part_from(len(lead), lead_s)
+        played.arrival = list(trace.arrival)          # the shift's rounding left out
+        return played, shift_steps(steps, lead_s)
     capacity = ReplicaCapacity(settings.prefill_tokens_per_s, settings.decode_tokens_per_s, settings.capacity_source)
     sizing = ReplicaSizing(MODEL, 1, max_num_seqs, max_batched_tokens, kv_tokens, cost, capacity, 0.0,
                            ColdStartLayers(start_s, 0.0, 0.0, 0.0))
@@ -134,6 +146,14 @@ def simulate_fixed(trace: RequestLog, cost, max_num_seqs: int, max_batched_token
     # each request's send time: a closed loop's turns were sent when they were due
     log.arrival = [t - path_latency_s for t in log.arrival] if closed else list(trace.arrival)
     return log
+
+
+def shift_steps(steps: list[tuple[float, int]], by_s: float) -> list[tuple[float, int]]:
+    """A step function ``[(time, value), ...]`` moved ``by_s`` earlier, starting at 0 with the
+    value it had at ``by_s``."""
+    moved = [(t - by_s, v) for t, v in steps]
+    before = [v for t, v in moved if t <= 0.0]
+    return ([(0.0, before[-1])] if before else []) + [(t, v) for t, v in moved if t > 0.0]
 
 
 def sample_steps(steps: list[tuple[float, int]], end_s: float, every_s: float = 1.0) -> np.ndarray:

@@ -40,6 +40,32 @@ class RequestLog:
         return RequestLog(self.arrival, self.model, self.klass, self.prompt, self.output, self.prefix_group,
                           self.prefix_len, self.parent)
 
+    def followed_by(self, later: "RequestLog", after_s: float) -> "RequestLog":
+        """These requests, then ``later``'s sent ``after_s`` after this log's clock started (its
+        arrivals shifted; its parents and prefix groups renumbered past these), none happened yet:
+        a lead-in (``cluster_check``: the probe sent before a trace) and what followed it."""
+        if self.arrival and max(self.arrival) > after_s + min(later.arrival, default=math.inf):
+            raise ValueError("the later requests must be sent after these")
+        n, groups = len(self), max(self.prefix_group, default=-1) + 1
+        return RequestLog(self.arrival + [t + after_s for t in later.arrival], self.model + later.model,
+                          self.klass + later.klass, self.prompt + later.prompt, self.output + later.output,
+                          self.prefix_group + [g + groups if g >= 0 else -1 for g in later.prefix_group],
+                          self.prefix_len + later.prefix_len,
+                          self.parent + [p + n if p >= 0 else -1 for p in later.parent])
+
+    def part_from(self, first: int, shift_s: float) -> "RequestLog":
+        """Requests ``first`` onward with what happened to them, every time moved ``shift_s``
+        earlier, a parent's index less ``first`` (prefix groups kept): ``followed_by``'s later
+        requests back, played."""
+        part = RequestLog([t - shift_s for t in self.arrival[first:]], self.model[first:], self.klass[first:],
+                          self.prompt[first:], self.output[first:], self.prefix_group[first:],
+                          self.prefix_len[first:], [p - first if p >= first else -1 for p in self.parent[first:]])
+        part.first_token_s = [t - shift_s for t in self.first_token_s[first:]]
+        part.finish_s = [t - shift_s for t in self.finish_s[first:]]
+        part.status, part.waited_for_start = self.status[first:], self.waited_for_start[first:]
+        part.cached_tokens = self.cached_tokens[first:]
+        return part
+
     def __len__(self) -> int:
         return len(self.arrival)
 

@@ -149,11 +149,12 @@ async def watch_replicas(base_url: str, stop: asyncio.Event, t0: float, deployme
 
 
 async def replay_and_watch(base_url: str, trace: RequestLog, vocab_size: int, model: str | None = None,
-                           seed: int = 0, on_change: Callable[[], None] | None = None
+                           seed: int = 0, on_change: Callable[[], None] | None = None, t0: float | None = None
                            ) -> tuple[RequestLog, list[str | None], list[tuple[float, dict[str, int]]]]:
-    """``replay_trace`` with ``watch_replicas`` (and its ``on_change``) beside it, on one clock: the
-    log, the replica of each request, the replica count's changes."""
-    stop, t0 = asyncio.Event(), time.perf_counter()
+    """``replay_trace`` with ``watch_replicas`` (and its ``on_change``) beside it, on one clock
+    (from ``t0``, a ``time.perf_counter`` value; now by default): the log, the replica of each
+    request, the replica count's changes."""
+    stop, t0 = asyncio.Event(), time.perf_counter() if t0 is None else t0
     watcher = asyncio.create_task(watch_replicas(base_url, stop, t0, on_change=on_change))
     try:
         log, served_by = await replay_trace(base_url, trace, vocab_size, model, seed, t0)

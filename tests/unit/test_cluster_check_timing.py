@@ -1,0 +1,110 @@
+"""Tier 1: the timing of the simulator-vs-cluster check's autoscaler (``cluster_check.
+simulate_autoscaled``, ``fleetsim/scaling.ModelScaler``): a down step falls due when the
+stabiliser's window has passed, between two decisions, as kvserve's policy on Ray Serve's
+controller takes it; and the probe sent before the trace (``lead_in``) is played first, so the
+autoscaler's first windows hold its load, and left out of the result."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvserve.autoscale.capacity import ReplicaCapacity
+from kvserve.autoscale.tiers import ResidencyTier
+from kvserve.cluster.autoscaling import AutoscaleSettings
+from kvserve.fleetsim.cluster_check import phased_trace, ray_decision_timing, shift_steps, simulate_autoscaled
+from kvserve.fleetsim.log import RequestLog
+from kvserve.fleetsim.scaling import POLICIES, ModelScaler
+from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
+from kvserve.planner.dtypes import kv_dtype, weight_dtype
+from kvserve.planner.hardware import CATALOG
+from kvserve.planner.presets import preset
+from kvserve.planner.roofline import cost_model
+
+COST = cost_model(preset("llama-3-8b"), CATALOG["h100-sxm"], weight_dtype("bf16"), kv_dtype("bf16"), 1)
+SETTINGS = AutoscaleSettings("tokens", "hot", 1, 2, prefill_tokens_per_s=2000.0, decode_tokens_per_s=200.0,
+                             demand_window_s=5.0, downscale_window_s=20.0)
+START_S = 3.0
+
+
+def _simulate(trace: RequestLog, lead_in=None):
+    return simulate_autoscaled(trace, COST, 4, 1024, 100_000, SETTINGS, START_S, lead_in=lead_in)
+
+
+def _scaler() -> ModelScaler:
+    sizing = ReplicaSizing("m", 1, 4, 1024, 100_000, COST, ReplicaCapacity(2000.0, 200.0), 0.0,
+                           ColdStartLayers(0.0, 0.0, 0.0, 0.0))
+    return ModelScaler(POLICIES["tiers_tokens"], sizing, 1.25, 20.0, 2, 1)
+
+
+def test_the_scaler_steps_down_when_its_window_has_passed_on_the_input_it_holds():
+    scaler, hot = _scaler(), ResidencyTier.HOT
+    busy = {"r": (20_000.0, 2_000.0, 4, 0, 0.0, 0)}       # 20k prompt and 2k output tokens over 6 s
+    assert scaler.decide(0.0, hot, 1, {"r": (0.0, 0.0, 0, 0, 0.0, 0)}, 0) == 1
+    assert scaler.decide(6.0, hot, 1, busy, 0) == 2
+    assert scaler.down_due_s() is None
+    assert scaler.decide(12.0, hot, 2, busy, 0) == 2           # nothing since: the count waits to go down
+    assert scaler.down_due_s() == pytest.approx(32.0)
+    assert scaler.recheck(31.9, hot, 2) == 2
+    assert scaler.recheck(32.0, hot, 2) == 1
+    assert scaler.down_due_s() is None
+
+
+def test_a_decision_reads_the_replicas_earlier_than_it_is_made():
+    scaler, hot = _scaler(), ResidencyTier.HOT
+    scaler.decide(4.0, hot, 1, {"r": (0.0, 0.0, 0, 0, 0.0, 0)}, 0, read_at=0.0)
+    assert scaler.decide(10.0, hot, 1, {"r": (20_000.0, 2_000.0, 4, 0, 0.0, 0)}, 0, read_at=6.0) == 2
+    assert scaler.scrape.time_s == 6.0 and scaler.state.time_s == 10.0
+
+
+def test_the_simulated_cluster_steps_down_a_window_after_a_decision_not_at_a_later_one():
+    interval, delay = ray_decision_timing(SETTINGS.demand_window_s)
+    _, steps = _simulate(phased_trace([(20.0, 6.0), (40.0, 0.2)], 128, 24, seed=0))
+    ups = [t for (t, n), (_, before) in zip(steps[1:], steps) if n > before and t > 0]
+    downs = [t for (t, n), (_, before) in zip(steps[1:], steps) if n < before]
+    assert ups and len(downs) == 1, steps
+    # decisions are made at tick + delay; the count went below at one and stepped down a window later
+    since_decision = (downs[0] - delay - SETTINGS.downscale_window_s) % interval
+    assert min(since_decision, interval - since_decision) == pytest.approx(0.0, abs=1e-9), steps
+
+
+def test_a_probe_just_before_a_light_trace_scales_it_up_early():
+    trace = phased_trace([(30.0, 0.3)], 128, 24, seed=0)
+    probe = phased_trace([(10.0, 8.0)], 128, 24, seed=1)
+    alone, alone_steps = _simulate(trace)
+    after, after_steps = _simulate(trace, lead_in=(probe, 11.0))
+    assert max(n for _, n in alone_steps) == 1
+    assert after_steps[0] == (0.0, 1) and after_steps[1][1] == 2 and after_steps[1][0] < 10.0
+    assert len(after) == len(trace) and after.arrival == trace.arrival
+    assert np.isfinite(after.arrays()["ttft_s"]).all()
+
+
+def test_a_lead_in_long_before_leaves_the_trace_as_it_was():
+    trace = phased_trace([(30.0, 2.0)], 128, 24, seed=0)
+    one = RequestLog([0.0], [0], [0], [64], [8])
+    alone, alone_steps = _simulate(trace)
+    after, after_steps = _simulate(trace, lead_in=(one, 60.0))
+    np.testing.assert_allclose(after.arrays()["ttft_s"], alone.arrays()["ttft_s"], atol=1e-9)
+    np.testing.assert_allclose(after.arrays()["tpot_s"], alone.arrays()["tpot_s"], atol=1e-9)
+    assert [(round(t, 6), n) for t, n in after_steps] == [(round(t, 6), n) for t, n in alone_steps[1:]]
+
+
+def test_a_log_followed_by_another_and_its_part_back():
+    first = RequestLog([0.0, 1.0], [0, 0], [0, 0], [10, 20], [2, 3], prefix_group=[0, -1], prefix_len=[4, 0])
+    later = RequestLog([0.5, 2.0], [0, 0], [1, 1], [30, 40], [4, 5], prefix_group=[0, 0], prefix_len=[8, 8],
+                       parent=[-1, 0])
+    both = first.followed_by(later, 3.0)
+    assert both.arrival == [0.0, 1.0, 3.5, 5.0] and both.prompt == [10, 20, 30, 40]
+    assert both.prefix_group == [0, -1, 1, 1] and both.parent == [-1, -1, -1, 2]
+    both.first_token(3, 6.0)
+    both.finish(3, 7.0)
+    part = both.part_from(2, 3.0)
+    assert part.arrival == later.arrival and part.parent == later.parent and part.output == later.output
+    assert part.first_token_s[1] == 3.0 and part.finish_s[1] == 4.0 and np.isnan(part.first_token_s[0])
+    with pytest.raises(ValueError):
+        later.followed_by(first, 0.0)
+
+
+def test_shifted_steps_start_at_zero_with_the_count_then():
+    assert shift_steps([(0.0, 0), (0.0, 1), (2.0, 2), (15.0, 1)], 10.0) == [(0.0, 2), (5.0, 1)]
+    assert shift_steps([(0.0, 1)], 10.0) == [(0.0, 1)]
+    assert shift_steps([(12.0, 2)], 10.0) == [(2.0, 2)]
