@@ -6,13 +6,15 @@ the host with its replica actor, the ingress, Ray's proxy and Ray's own processe
 streamed token crosses those processes: on a two-core machine its steps run slower than the
 profile says, and every request's first token pays the hops. Both are measured in place, before
 a trace, by a probe through the running cluster (``probe_trace``: requests one at a time, with
-prompts of four lengths, then a full batch at once) that the simulator also plays:
+prompts of four lengths, then a batch, at once or as a stream whose new prefills join the
+decoding batch as a busy trace's do) that the simulator also plays:
 
 - ``slowdown`` = the decode steps' factor (the hardware entry's memory bandwidth divided by it,
   its overheads multiplied, ``slowed``), from the one-at-a-time requests' median TPOT;
 - ``seq_extra_s`` = what each sequence of a step costs beyond the profile's figure, from the
   batch's median TPOT (``kvserve profile --quick`` fits its per-sequence cost on short contexts,
-  and an error there is an error on every step of a busy replica); the two are solved together.
+  and an error there is an error on every step of a busy replica); the two are solved together
+  by Newton steps on finite differences.
   Where the batch is cheaper than the slowed profile says (the solve wants a negative extra), the
   extra is 0 and the one factor is fitted on the batch, not the single requests: a busy replica
   runs batches, and a factor from the singles overstated a trace's service by 6-18% in two runs
@@ -44,11 +46,14 @@ SINGLE_PROMPTS = (64, 128, 256, 384)
 
 
 def probe_trace(batch: int, prompt_tokens: int = 128, output_tokens: int = 24,
-                single_prompts: tuple[int, ...] = SINGLE_PROMPTS, gap_s: float = 3.0) -> RequestLog:
+                single_prompts: tuple[int, ...] = SINGLE_PROMPTS, gap_s: float = 3.0,
+                batch_gap_s: float = 0.0) -> RequestLog:
     """One request per ``single_prompts`` length ``gap_s`` apart (each done before the next is
-    sent), then ``batch`` requests of ``prompt_tokens`` at once; all of ``output_tokens``."""
+    sent), then ``batch`` requests of ``prompt_tokens``, at once or ``batch_gap_s`` apart (a
+    stream that keeps a replica's batch full of decodes and new prefills, as a busy trace does);
+    all of ``output_tokens``."""
     singles = len(single_prompts)
-    arrivals = [i * gap_s for i in range(singles)] + [singles * gap_s] * batch
+    arrivals = [i * gap_s for i in range(singles)] + [singles * gap_s + i * batch_gap_s for i in range(batch)]
     prompts = list(single_prompts) + [prompt_tokens] * batch
     n = len(arrivals)
     return RequestLog(arrivals, [0] * n, [0] * n, prompts, [output_tokens] * n)
@@ -92,14 +97,18 @@ def _tpot(log: RequestLog, one_at_a_time: int) -> tuple[float, float]:
 
 
 def _fit_decode(target: np.ndarray, simulate: Callable[[float, float], RequestLog], one_at_a_time: int,
-                batch: int, profile: np.ndarray, rounds: int) -> tuple[float, float]:
-    """(slowdown, seq_extra_s) whose simulated TPOT medians (one sequence, ``batch``) are ``target``:
-    a step is about ``slowdown x profile + sequences x seq_extra_s``, so a 2 x 2 solve, then
-    ``rounds`` Newton steps on that Jacobian for what the approximation leaves (prefill steps)."""
-    jacobian = np.array([[profile[0], 1.0], [profile[1], float(batch)]])
+                rounds: int) -> tuple[float, float]:
+    """(slowdown, seq_extra_s) whose simulated TPOT medians (one sequence, the batch) are ``target``:
+    Newton steps on the Jacobian measured by finite differences (a step is about ``slowdown x
+    profile + sequences x seq_extra_s``, where the batch's sequences per step depend on how its
+    requests arrive)."""
     slowdown, extra = 1.0, 0.0
     for _ in range(rounds + 1):
-        residual = target - np.array(_tpot(simulate(slowdown, extra), one_at_a_time))
+        at = np.array(_tpot(simulate(slowdown, extra), one_at_a_time))
+        residual = target - at
+        jacobian = np.column_stack([(np.array(_tpot(simulate(slowdown * 1.01, extra), one_at_a_time)) - at)
+                                    / (0.01 * slowdown),
+                                    (np.array(_tpot(simulate(slowdown, extra + 1e-3), one_at_a_time)) - at) / 1e-3])
         step = np.linalg.solve(jacobian, residual)
         slowdown, extra = slowdown + float(step[0]), extra + float(step[1])
         if extra < 0:     # the batch is no dearer than the profile says: one factor, fitted on the batch
@@ -147,14 +156,13 @@ def fit_host(measured: RequestLog, simulate: Callable[[float, float, float], Req
         raise RuntimeError("the probe was not fully served: the cluster is not healthy")
     if len(set(measured.prompt[:one_at_a_time])) < 2:
         raise ValueError("the probe's one-at-a-time requests need two prompt lengths or more")
-    batch = len(measured) - one_at_a_time
     target = np.array(_tpot(measured, one_at_a_time))
     profile = np.array(_tpot(simulate(1.0, 0.0, 1.0), one_at_a_time))
     measured_ttft = got["ttft_s"][:one_at_a_time]
     prefill = None                          # first round: prefill slowed as decode is
     for _ in range(2):
         slowdown, extra = _fit_decode(target, lambda f, e: simulate(f, e, f if prefill is None else prefill),
-                                      one_at_a_time, batch, profile, rounds)
+                                      one_at_a_time, rounds)
         prefill, path = _fit_prefill(measured_ttft, lambda p: simulate(slowdown, extra, p), one_at_a_time,
                                      slowdown if prefill is None else prefill, rounds)
     fitted = simulate(slowdown, extra, prefill)

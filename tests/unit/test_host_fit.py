@@ -70,6 +70,18 @@ def test_the_fit_recovers_a_known_host(slowdown, path, extra, prefill):
     assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
 
 
+@pytest.mark.parametrize("slowdown,extra", [(1.0, 0.0), (1.4, 0.003), (0.9, 0.006)])
+def test_the_fit_recovers_a_known_host_from_a_stream_of_requests(slowdown, extra):
+    # the busy part spread out: new prefills join the decoding batch, as in a busy trace
+    probe = probe_trace(10, batch_gap_s=0.02)
+    assert probe.arrival[4:6] == [12.0, 12.02]
+    measured = _simulate(probe, slowdown, 0.05, extra, slowdown)
+    fit = fit_host(measured, lambda f, e, p: _simulate(probe, f, 0.0, e, p), one_at_a_time=4)
+    assert fit.slowdown == pytest.approx(slowdown, rel=1e-3)
+    assert fit.seq_extra_s == pytest.approx(extra, abs=5e-5)
+    assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
+
+
 def test_first_tokens_earlier_than_any_path_allows_give_no_path_and_the_factor_alone():
     probe = probe_trace(4)
     measured = _simulate(probe, 1.0, 0.0, 0.0, 1.2)
