@@ -202,6 +202,14 @@ def roll_demand_window(saved: Mapping, scrape: FleetScrape, window_s: float) -> 
     return _scrape_to_state(scrape), (measured.prefill_tokens_per_s, measured.decode_tokens_per_s)
 
 
+def count_sample_age(counted: Mapping | None, age_s: float) -> dict:
+    """``{"count", "sum_s"}`` of the ages of the samples that closed a demand window (the
+    decision's time less the newest sample's): how old the metrics a decision reads are, as the
+    simulator's ``decision_delay_s`` wants it (``fleetsim/cluster_check.py``)."""
+    counted = counted or {"count": 0, "sum_s": 0.0}
+    return {"count": counted["count"] + 1, "sum_s": counted["sum_s"] + max(0.0, age_s)}
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """What one tick reads from Ray Serve's ``AutoscalingContext``."""
@@ -229,7 +237,10 @@ def autoscale_step(settings: AutoscaleSettings, policy_state: Mapping,
         saved.pop("window", None)
     else:
         scrape = scrape_from_raw(inputs.raw_metrics, now, queued)
+        opened_at = (saved.get("window") or {}).get("time_s")
         saved["window"], saved["demand"] = roll_demand_window(saved, scrape, settings.demand_window_s)
+        if opened_at is not None and saved["window"]["time_s"] != opened_at and scrape.replicas:
+            saved["sample_age"] = count_sample_age(saved.get("sample_age"), now - scrape.time_s)
         demand = TokenDemand(saved["demand"][0], saved["demand"][1], queued)
         tier_now = None
         if settings.retier_window_s > 0:

@@ -31,7 +31,8 @@ class KVServeAutoscalingPolicy:
     """Ray Serve's custom autoscaling policy for one ``EngineReplica`` deployment: reads the
     context, calls ``autoscaling.autoscale_step`` (the pure policy), and on each change of the
     decision, the demand or the tier logs it to the controller's log and publishes it for the
-    ingress's ``/cluster/status`` (``policy_board.py``)."""
+    ingress's ``/cluster/status`` (``policy_board.py``), with the mean age of the samples that
+    closed its demand windows (``autoscaling.count_sample_age``)."""
 
     def __init__(self, **settings):
         self.settings = AutoscaleSettings(**settings)
@@ -50,9 +51,12 @@ class KVServeAutoscalingPolicy:
             shown = tier if tier == self.settings.tier else f"{tier}, planned {self.settings.tier}"
             logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s): %d replicas: %s",
                                         ctx.deployment_name, self.settings.mode, shown, replicas, reason)
+            ages = state["kvserve"].get("sample_age") or {"count": 0, "sum_s": 0.0}
             policy_board.publish(ctx.app_name, ctx.deployment_name,
                                  {"mode": self.settings.mode, "tier": tier, "planned_tier": self.settings.tier,
-                                  "replicas": replicas, "reason": reason, "at_s": round(inputs.now_s, 3)})
+                                  "replicas": replicas, "reason": reason, "at_s": round(inputs.now_s, 3),
+                                  "windows_closed": ages["count"],
+                                  "mean_sample_age_s": round(ages["sum_s"] / ages["count"], 4) if ages["count"] else None})
         return replicas, state
 
 

@@ -109,6 +109,16 @@ def test_token_demand_over_the_window_gives_the_desired_count():
     assert n == 3
 
 
+def test_each_closed_window_counts_the_age_of_the_sample_that_closed_it():
+    n, state, _ = _tick({}, 100.5, 1, _raw({"a": [(100.0, _stats(1_000, 100))]}))
+    n, state, _ = _tick(state, 105.5, 1, _raw({"a": [(105.0, _stats(1_000, 100))]}))   # inside the 10 s window
+    assert "sample_age" not in state[STATE_KEY]
+    n, state, _ = _tick(state, 111.5, 1, _raw({"a": [(110.0, _stats(1_000, 100))]}))   # closes it, 1.5 s old
+    n, state, _ = _tick(state, 112.0, 1, _raw({"a": [(110.0, _stats(1_000, 100))]}))   # the next one is open
+    n, state, _ = _tick(state, 120.5, 1, _raw({"a": [(120.0, _stats(1_000, 100))]}))
+    assert state[STATE_KEY]["sample_age"] == {"count": 2, "sum_s": pytest.approx(2.0)}
+
+
 def test_a_new_replica_counts_from_zero_and_the_state_is_never_mutated():
     first = {STATE_KEY: {}}
     n, state, _ = _tick(first, 0.0, 1, _raw({"a": [(0.0, _stats(0, 0))]}))
