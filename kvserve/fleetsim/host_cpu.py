@@ -27,7 +27,7 @@ at the start's ends, over its seconds).
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
 say when they are busy and at what token rate, the deployment when one starts and when it
 serves (``Deployment(host=)``), and each step's time is multiplied by the factor at the step's
-start.
+start, and by the host's own drift then when one was metered (``host_meter.py``).
 """
 from __future__ import annotations
 
@@ -151,10 +151,12 @@ class PlaneFit:
 
 class SharedHost:
     """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
-    ``engine_threads``, the serving plane's ``plane`` and each starting replica's ``start_cores``."""
+    ``engine_threads``, the serving plane's ``plane``, each starting replica's ``start_cores`` and
+    ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady)."""
 
-    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0):
+    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None):
         self.cores = cores
+        self.drift = drift
         self.engine_threads = engine_threads
         self.plane = plane
         self.start_cores = start_cores
@@ -189,3 +191,8 @@ class SharedHost:
         plane = self.plane.cpu_s_per_token * sum(self._rates.values())
         s = (demand + math.sqrt(demand * demand + 4 * self.cores * plane)) / (2 * self.cores)
         return max(1.0, s)
+
+    def step_factor(self, now: float) -> float:
+        """How much longer than its roofline a step starting at ``now`` takes: the cores' sharing
+        (``factor``) times the host's drift then."""
+        return self.factor() * (self.drift.at(now) if self.drift is not None else 1.0)

@@ -10,7 +10,7 @@ admission order and recompute preemption are the engine's own. One event per ste
 ~100x slower than the coalesced ``BatchReplica``: it is the reference for short traces
 (``kvserve simulate --replica scheduler``, the test that holds the two together, and the
 simulator-vs-cluster check, whose replicas share one host: ``host``, ``host_cpu.SharedHost``,
-multiplies each step's time by the host's contention factor when the step starts).
+multiplies each step's time by the host's contention factor and drift when the step starts).
 
 ``prefix_cache=True`` gives the replica the engine's :class:`PrefixCache` on the simulated clock:
 requests carry their real prompt ids (``prompt_ids.py``: a shared prefix per group), the
@@ -159,5 +159,5 @@ class SchedulerReplica:
         seconds = step_time(self.cost, step_work(shape, self.cost.hw.kv_read_mode, BLOCK_SIZE)).total_s
         if self.host is not None:
             self.host.busy(self.name, shape.num_sampled / seconds)
-            seconds *= self.host.factor()
+            seconds *= self.host.step_factor(now)
         return now + seconds
