@@ -14,10 +14,10 @@
    in requests/s, one quick profile put a 1.5 requests/s step at 0.77 of a replica (x headroom
    1.25 = 0.96, under the threshold of 1, so only a burst window scaled up), another at 1.03.
    Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time with prompts of
-   four lengths, then a full batch) measures the host as the cluster's engines see it: how much
-   slower they decode and prefill than the profile and the latency the serving path adds to a
-   first token; and, from /proc, the serving plane's
-   CPU per streamed token and the background's cores (``fleetsim/host_cpu.py``).
+   four lengths, then a stream of ten, ``PROBE_STREAM``) measures the host as the cluster's
+   engines see it: how much slower they decode and prefill than the profile and the latency the
+   serving path adds to a first token; and, from /proc, the serving plane's CPU per streamed
+   token and the background's cores (``fleetsim/host_cpu.py``).
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
    slowed by the probe's factors and per-sequence cost, the probe's path latency, the replica
@@ -25,10 +25,14 @@
    (the cores a start kept busy, measured from /proc over the trace's starts) and the plane, and
    the router's view of the replicas: their stats as Ray Serve delivers them, every
    ``ROUTING_STATS_PERIOD_S`` and as old as the ingress measured at its decisions
-   (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). Beside it, the same with
+   (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). It plays the probe first,
+   at the lead it had (its load is in the autoscaler's first windows), decides as long after its
+   readings as the cluster's policy measured (``decision_sample_age``), and slows every step by
+   the host's drift, read beside the cluster by ``fleetsim/host_meter.py``. Beside it, the same with
    one part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
    without the shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out;
-   ``router_view_live``: the router sees the replicas as they are).
+   ``router_view_live``: the router sees the replicas as they are; ``host_drift_off``;
+   ``probe_not_played``; ``decision_delay_estimated``: ``ray_decision_timing``'s delay).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
         [--seed N] [--runs K]
@@ -62,6 +66,8 @@ from benchmarks.server_process import ServerProcess  # noqa: E402
 KV_CACHE_GIB = 0.25
 PROMPT_MEAN, OUTPUT_MEAN = 128.0, 24.0   # the trace's mean lengths; the capacity is planned for them
 HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
+PROBE_STREAM = dict(batch=10, batch_gap_s=0.25)   # the probe's busy part: 10 requests 0.25 s apart (4/s)
+MEASURED = "measured"       # ClusterSimulator's decision delay: the cluster's measured sample age
 IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
 IDLE_WINDOWS = 6            # ... in this many windows, the background their median (a burst is not background)
 
@@ -112,12 +118,10 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     measured log, the simulated log)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
-    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace
+    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing
     from kvserve.fleetsim.host_cpu import SharedHost
-    from kvserve.fleetsim.host_fit import fit_host, probe_trace
+    from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host, probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations
-    from kvserve.fleetsim.router_view import delay_from_mean_age
-    from kvserve.cluster.app import ROUTING_STATS_PERIOD_S
     from kvserve.loader.api import default_model_path
 
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
@@ -125,40 +129,44 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     settings = settings_from_args(args, default_model_path())
     simulate = ClusterSimulator(hw_path, args, settings)
     rates = load_rates(settings, phases)
-    trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(args.max_num_seqs)
+    trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(**PROBE_STREAM)
     vocab = simulate.cost(1.0).model.vocab_size
     run = measure_cluster(flags, trace, probe, vocab, seed)
-    plane, lead_in = run.plane, (probe, run.probe_lead_s)
-    starts = start_durations(run.changes)
+    simulate.decision_delay_s = run.sample_age_s
+    plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
     start_cores = starting_cores(run.changes, run.snapshots)
     fit = fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
-                   one_at_a_time=len(probe) - args.max_num_seqs)
-    stats = (ROUTING_STATS_PERIOD_S, delay_from_mean_age(run.stats_age_s, ROUTING_STATS_PERIOD_S))
+                   one_at_a_time=len(SINGLE_PROMPTS))
+    stats = router_stats(run.stats_age_s)
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown)
-    host = SharedHost(host_cores(), args.threads, plane, start_cores)
+    host = SharedHost(host_cores(), args.threads, plane, start_cores, run.drift)
     simulated, sim_steps = on_fit(host, router_stats=stats, lead_in=lead_in)
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
+        ("decision_delay_estimated", on_fit(host, router_stats=stats, lead_in=lead_in,
+                                            decision_delay_s=ray_decision_timing(demand_window_s)[1])),
         ("cores_unshared", on_fit(None, router_stats=stats, lead_in=lead_in)),
-        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane), router_stats=stats,
-                                      lead_in=lead_in)),
+        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane, drift=run.drift),
+                                      router_stats=stats, lead_in=lead_in)),
+        ("host_drift_off", on_fit(SharedHost(host_cores(), args.threads, plane, start_cores), router_stats=stats,
+                                  lead_in=lead_in)),
         ("router_view_live", on_fit(host, lead_in=lead_in)),
-        ("probe_not_played", on_fit(host, router_stats=stats)))}
-    hw = simulate.hw
+        ("probe_not_played", on_fit(SharedHost(host_cores(), args.threads, plane, start_cores,
+                                               run.drift.shifted(run.probe_lead_s)), router_stats=stats)))}
     return {"load_phases": [list(p) for p in phases],
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
-            "replica_start_s": round(start_s, 2),
-            "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
-            "capacity": settings.capacity_source, "profile_rms_error": dict(hw.calibration).get("rms_relative_error"),
+            "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
+            "start_cpu_cores": round(start_cores, 3), "decision_sample_age_s": run.sample_age_s,
+            "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
-            "probe_lead_s": round(lead_in[1], 2),
+            "probe_lead_s": round(lead_in[1], 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
         run.measured, simulated
@@ -169,20 +177,41 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> Si
     the serving plane over it, play the trace while watching the replicas: ``probed`` and
     ``measured`` (the filled logs), ``served_by``, ``changes`` (the replicas by state),
     ``snapshots`` (the processes' CPU at each change), ``plane`` (``PlaneFit``), ``stats_age_s``
-    (``mean_stats_age``) and ``probe_lead_s`` (the probe was sent this long before the trace)."""
+    (``mean_stats_age``), ``probe_lead_s`` (the probe was sent this long before the trace) and
+    ``drift`` (``host_meter.HostDrift`` relative to the probe, from the probe's start)."""
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
+    from kvserve.fleetsim.host_meter import HostDrift, HostMeter
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace
-    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
+    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster, \
+            HostMeter() as meter:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
         probe_t0 = time.perf_counter()
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1, t0=probe_t0))
+        probe_end = time.perf_counter()
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         snapshots, trace_t0 = [], time.perf_counter()
         measured, served_by, changes = asyncio.run(replay_and_watch(
             cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
-        stats_age_s = mean_stats_age(cluster.url)
-    return SimpleNamespace(probed=probed, plane=plane, measured=measured, served_by=served_by, changes=changes,
-                           snapshots=snapshots, stats_age_s=stats_age_s, probe_lead_s=trace_t0 - probe_t0)
+        stats_age_s, sample_age_s = mean_stats_age(cluster.url), decision_sample_age(cluster.url)
+    return SimpleNamespace(sample_age_s=sample_age_s, probed=probed, plane=plane, measured=measured,
+                           served_by=served_by, changes=changes,
+                           snapshots=snapshots, stats_age_s=stats_age_s, probe_lead_s=trace_t0 - probe_t0,
+                           drift=HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0))
+
+
+def router_stats(mean_age_s: float) -> tuple[float, float]:
+    """(period, delay) of the replica stats the cluster's router saw, from their mean age."""
+    from kvserve.cluster.app import ROUTING_STATS_PERIOD_S
+    from kvserve.fleetsim.router_view import delay_from_mean_age
+    return ROUTING_STATS_PERIOD_S, delay_from_mean_age(mean_age_s, ROUTING_STATS_PERIOD_S)
+
+
+def decision_sample_age(url: str) -> float | None:
+    """The mean age of the samples that closed the engine deployment's demand windows, as its
+    autoscaling policy published it (``/cluster/status``; None before any window closed)."""
+    import httpx
+    status = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
+    return (status["deployments"]["engine"].get("autoscale") or {}).get("mean_sample_age_s")
 
 
 def mean_stats_age(url: str) -> float:
@@ -211,8 +240,10 @@ class ClusterSimulator:
     """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None,
     prefill_slowdown=None)``: ``log`` through the simulated deployment (the cluster's settings) on
     the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``
-    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``): (the filled log, the serving
-    replica count's steps)."""
+    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``), its autoscaler deciding
+    ``decision_delay_s`` after its readings (``MEASURED``: ``self.decision_delay_s``, the cluster's
+    measured sample age once set; None: ``ray_decision_timing``'s estimate): (the filled log, the
+    serving replica count's steps)."""
 
     def __init__(self, hw_path: str, args, settings):
         from kvserve.loader.api import default_model_path
@@ -220,6 +251,7 @@ class ClusterSimulator:
         from kvserve.planner.model_io import model_from_gguf
         self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
         self.args, self.settings = args, settings
+        self.decision_delay_s: float | None = None     # the cluster's measured sample age (None: estimated)
 
     def cost(self, slowdown: float, seq_extra_s: float = 0.0, prefill_slowdown: float | None = None):
         from kvserve.fleetsim.host_fit import slowed
@@ -231,15 +263,16 @@ class ClusterSimulator:
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
                  path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
-                 router_stats: tuple[float, float] | None = None, lead_in=None):
+                 router_stats: tuple[float, float] | None = None, lead_in=None, decision_delay_s=MEASURED):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
         cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
+        decision_delay_s = self.decision_delay_s if decision_delay_s is MEASURED else decision_delay_s
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         from kvserve.cluster.admission import fleet_slots
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
                                    self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
-                                   router_stats, lead_in)
+                                   router_stats, lead_in, decision_delay_s)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

@@ -40,6 +40,7 @@ from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
 from kvserve.fleetsim.validate import trace_log
 
 MODEL = "engine"
+CONTROL_LOOP_S = 0.1        # Ray Serve's controller loop (RAY_SERVE_CONTROL_LOOP_INTERVAL_S)
 
 
 def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_mean: float,
@@ -58,21 +59,26 @@ def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_m
 
 
 def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
-    """(seconds between the token policy's decisions, the age of the metrics a decision reads) on
-    Ray Serve as ``cluster/ray_autoscale.py`` configures it: replicas record a sample every
-    ``LOOK_BACK_S x 0.2`` seconds and push every ``METRICS_INTERVAL_S``; the demand window
-    closes on the first sample at least ``demand_window_s`` after its start, so decisions come
-    every ``ceil(window / record) x record`` seconds, from samples up to ``record + push`` old."""
+    """(seconds between the token policy's decisions, the age of the newest sample a decision
+    reads) on Ray Serve as ``cluster/ray_autoscale.py`` configures it: a replica records a
+    sample every ``LOOK_BACK_S x 0.2`` seconds and, on its own timer of ``METRICS_INTERVAL_S``,
+    pushes the samples to the controller, whose next control-loop pass (every
+    ``CONTROL_LOOP_S``) reads them. The demand window closes on the first sample at least
+    ``demand_window_s`` after its start, so decisions come every ``ceil(window / record) x
+    record`` seconds; the sample that closes it is between 0 and one record interval old when
+    pushed (the two timers' phase, fixed per replica), so a decision reads it, on the mean,
+    ``record / 2 + CONTROL_LOOP_S`` after it was taken. (The simulator took the oldest it can
+    be, ``record + push``, before: its scale-downs came 4-5 s after the cluster's in every run.)"""
     from kvserve.cluster.ray_autoscale import LOOK_BACK_S, METRICS_INTERVAL_S
-    record_every = LOOK_BACK_S * 0.2
-    return math.ceil(demand_window_s / record_every - 1e-9) * record_every, record_every + METRICS_INTERVAL_S
+    record_every = min(LOOK_BACK_S * 0.2, METRICS_INTERVAL_S)
+    return math.ceil(demand_window_s / record_every - 1e-9) * record_every, record_every / 2 + CONTROL_LOOP_S
 
 
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                         settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
                         queue_wait_s: float = float("inf"), host: SharedHost | None = None,
                         router_stats: tuple[float, float] | None = None,
-                        lead_in: tuple[RequestLog, float] | None = None
+                        lead_in: tuple[RequestLog, float] | None = None, decision_delay_s: float | None = None
                         ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
@@ -87,14 +93,16 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     the replica stats the router places requests by (``router_view.StaleView``; None: live).
     ``lead_in``: (requests, seconds): requests sent that long before the trace started (the
     cluster's probe), played first and left out of the result, so the autoscaler's first windows
-    hold their load as the cluster's do."""
+    hold their load as the cluster's do. ``decision_delay_s``: the age of the samples the
+    cluster's decisions read, as it measured them (``mean_sample_age_s`` on its
+    ``/cluster/status``); None: ``ray_decision_timing``'s."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     if lead_in is not None:
         lead, lead_s = lead_in
         log, steps = simulate_autoscaled(lead.followed_by(trace, lead_s), cost, max_num_seqs, max_batched_tokens,
                                          kv_tokens, settings, start_s, path_latency_s, slots, queue_wait_s, host,
-                                         router_stats)
+                                         router_stats, decision_delay_s=decision_delay_s)
         played = log.part_from(len(lead), lead_s)
         played.arrival = list(trace.arrival)          # the shift's rounding left out
         return played, shift_steps(steps, lead_s)
@@ -104,6 +112,7 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     log = trace.fresh()
     log.arrival = [t + path_latency_s for t in trace.arrival]
     interval, delay = ray_decision_timing(settings.demand_window_s)
+    delay = delay if decision_delay_s is None else decision_delay_s
     scenario = Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),),
                         duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0,
                         autoscale_interval_s=interval, decision_delay_s=delay,

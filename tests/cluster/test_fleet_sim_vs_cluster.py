@@ -12,16 +12,20 @@ plays the same requests with the cluster's limits and autoscaling settings, the 
 times, Ray's decision rhythm and the replica start the cluster took.
 
 Before the trace a probe through the cluster (``fleetsim/host_fit.py``: four requests one at a
-time, prompts of 64-384 tokens, then a batch of four) fits how much slower the cluster's engines
+time, prompts of 64-384 tokens, then a stream of ten 0.25 s apart) fits how much slower the cluster's engines
 decode and prefill than the profile, what each sequence of a step costs beyond it and the
 latency the serving path adds to a first token, and /proc gives the serving plane's CPU per
 streamed token (``fleetsim/host_cpu.py``); the simulator plays the trace with the ingress's
 queue, the engine's scheduler and that host, its cores shared by the busy engines, the replicas
 starting (the cores the processes of a scale-up kept busy, from /proc snapshots at the start's
 ends) and the plane, and its router sees the replicas' stats as Ray Serve delivers them to the
-cluster's router, as old as the ingress measured (``fleetsim/router_view.py``). The fit is checked to be sane (slowdowns of at most 1.5x, at most 20 ms
-per sequence, a path of at most 0.2 s, the batch's TPOT reproduced, a plane of under 20 ms per
-token, a start's cores within the host's).
+cluster's router, as old as the ingress measured (``fleetsim/router_view.py``). The simulator
+plays the probe before the trace, as the cluster took it, so the autoscaler's first windows hold
+its load; decides as long after its readings as the cluster's policy measured its own decisions
+to (``decision_sample_age_s``); and slows every step by the host's drift over the run, read by a
+small fixed workload beside the cluster (``fleetsim/host_meter.py``). The fit is checked to be
+sane (slowdowns of at most 1.5x, at most 20 ms per sequence, a path of at most 0.2 s, the
+stream's TPOT reproduced, a plane of under 20 ms per token, a start's cores within the host's).
 
 The trace was first given in requests/s at headroom 1.25: a step of 1.5 requests/s sat at the
 token policy's threshold on one profile and under it on a faster one, and a CI run had only the
@@ -83,6 +87,9 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     assert 0.0 < result["start_cpu_cores"] <= result["host_cores"], result      # the scale-up's processes ran
     stats = result["router_stats"]                    # the age of the replica stats the router decided on
     assert 0.0 < stats["mean_age_s"] < 5.0 and stats["delay_s"] >= 0.0, stats
+    # the age of the samples the cluster's scaling decisions read, the host's drift over the run
+    assert result["decision_sample_age_s"] is not None and 0.0 <= result["decision_sample_age_s"] < 6.0, result
+    assert result["host_drift"]["readings"] >= 60 and result["probe_lead_s"] > 0.0, result
     assert 0.8 <= result["ratio"]["replica_seconds"] <= 1.2, result
     assert result["replica_count_mean_abs_diff_over_mean"] <= 0.2, result
     assert 0.6 <= result["ratio"]["p50_ttft_s"] <= 1.4, result

@@ -73,7 +73,7 @@ def test_a_probe_just_before_a_light_trace_scales_it_up_early():
     alone, alone_steps = _simulate(trace)
     after, after_steps = _simulate(trace, lead_in=(probe, 11.0))
     assert max(n for _, n in alone_steps) == 1
-    assert after_steps[0] == (0.0, 1) and after_steps[1][1] == 2 and after_steps[1][0] < 10.0
+    assert any(n == 2 and t < 10.0 for t, n in after_steps), after_steps
     assert len(after) == len(trace) and after.arrival == trace.arrival
     assert np.isfinite(after.arrays()["ttft_s"]).all()
 
