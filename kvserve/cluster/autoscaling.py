@@ -42,6 +42,7 @@ from kvserve.autoscale.residency import RetierConfig
 from kvserve.cluster.live_tier import step_tier
 
 MODES = ("tokens", "requests")
+WINDOW_LOG = 32                # closed demand windows the policy state keeps (``log_window``)
 STATE_KEY = "kvserve"          # our part of Ray's policy_state (Ray keeps its delay counters beside it)
 
 # replica stats key -> ReplicaCounters field (the keys are the replica's own /metrics names)
@@ -210,6 +211,15 @@ def count_sample_age(counted: Mapping | None, age_s: float) -> dict:
     return {"count": counted["count"] + 1, "sum_s": counted["sum_s"] + max(0.0, age_s)}
 
 
+def log_window(logged: list | None, sample_s: float, decided_s: float, demand: tuple[float, float]) -> list:
+    """The last ``WINDOW_LOG`` closed demand windows, oldest first, with one more: ``[sample_s,
+    decided_s, prefill, decode]``, the time of the sample that closed it, of the tick that closed
+    it, and the tokens/s it measured. When a cluster's decisions come and what they read, as the
+    fleet simulator's cluster check replays them (``fleetsim/cluster_check.DecisionClock``)."""
+    entry = [round(sample_s, 3), round(decided_s, 3), round(demand[0], 2), round(demand[1], 2)]
+    return [*(logged or [])[-(WINDOW_LOG - 1):], entry]
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """What one tick reads from Ray Serve's ``AutoscalingContext``."""
@@ -241,6 +251,7 @@ def autoscale_step(settings: AutoscaleSettings, policy_state: Mapping,
         saved["window"], saved["demand"] = roll_demand_window(saved, scrape, settings.demand_window_s)
         if opened_at is not None and saved["window"]["time_s"] != opened_at and scrape.replicas:
             saved["sample_age"] = count_sample_age(saved.get("sample_age"), now - scrape.time_s)
+            saved["windows"] = log_window(saved.get("windows"), scrape.time_s, now, saved["demand"])
         demand = TokenDemand(saved["demand"][0], saved["demand"][1], queued)
         tier_now = None
         if settings.retier_window_s > 0:

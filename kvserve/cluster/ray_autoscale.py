@@ -30,13 +30,15 @@ LOOK_BACK_S = 10.0          # samples kept per push; recorded every LOOK_BACK_S 
 class KVServeAutoscalingPolicy:
     """Ray Serve's custom autoscaling policy for one ``EngineReplica`` deployment: reads the
     context, calls ``autoscaling.autoscale_step`` (the pure policy), and on each change of the
-    decision, the demand or the tier logs it to the controller's log and publishes it for the
-    ingress's ``/cluster/status`` (``policy_board.py``), with the mean age of the samples that
-    closed its demand windows (``autoscaling.count_sample_age``)."""
+    decision, the demand or the tier logs it to the controller's log; on that and on each closed
+    demand window it publishes it for the ingress's ``/cluster/status`` (``policy_board.py``),
+    with the mean age of the samples that closed its demand windows
+    (``autoscaling.count_sample_age``) and its last closed windows (``autoscaling.log_window``)."""
 
     def __init__(self, **settings):
         self.settings = AutoscaleSettings(**settings)
         self._last_logged = None
+        self._windows_published = 0
 
     def __call__(self, ctx) -> tuple[int, dict]:
         inputs = StepInputs(now_s=float(ctx.current_time), target_replicas=int(ctx.target_num_replicas),
@@ -46,17 +48,21 @@ class KVServeAutoscalingPolicy:
         replicas, state, reason = autoscale_step(self.settings, ctx.policy_state, inputs)
         demand = tuple(round(x, 1) for x in state["kvserve"].get("demand", ()))
         tier = (state["kvserve"].get("retier") or {}).get("tier", self.settings.tier)
+        ages = state["kvserve"].get("sample_age") or {"count": 0, "sum_s": 0.0}
         if (replicas, demand, tier) != self._last_logged:
             self._last_logged = (replicas, demand, tier)
             shown = tier if tier == self.settings.tier else f"{tier}, planned {self.settings.tier}"
             logging.getLogger(LOG).info("kvserve autoscale %s (%s, tier %s): %d replicas: %s",
                                         ctx.deployment_name, self.settings.mode, shown, replicas, reason)
-            ages = state["kvserve"].get("sample_age") or {"count": 0, "sum_s": 0.0}
-            policy_board.publish(ctx.app_name, ctx.deployment_name,
-                                 {"mode": self.settings.mode, "tier": tier, "planned_tier": self.settings.tier,
-                                  "replicas": replicas, "reason": reason, "at_s": round(inputs.now_s, 3),
-                                  "windows_closed": ages["count"],
-                                  "mean_sample_age_s": round(ages["sum_s"] / ages["count"], 4) if ages["count"] else None})
+        elif ages["count"] == self._windows_published:
+            return replicas, state
+        self._windows_published = ages["count"]
+        policy_board.publish(ctx.app_name, ctx.deployment_name,
+                             {"mode": self.settings.mode, "tier": tier, "planned_tier": self.settings.tier,
+                              "replicas": replicas, "reason": reason, "at_s": round(inputs.now_s, 3),
+                              "windows_closed": ages["count"],
+                              "mean_sample_age_s": round(ages["sum_s"] / ages["count"], 4) if ages["count"] else None,
+                              "windows": state["kvserve"].get("windows", [])})
         return replicas, state
 
 

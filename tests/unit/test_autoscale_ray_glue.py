@@ -13,8 +13,9 @@ from ray.serve.autoscaling_policy import _apply_autoscaling_config  # noqa: E402
 from ray.serve.config import AutoscalingContext  # noqa: E402
 
 from kvserve.autoscale import AutoscaleInputError  # noqa: E402
-from kvserve.cluster.autoscaling import (STATE_KEY, AutoscaleSettings, StepInputs, autoscale_step,  # noqa: E402
-                                         replica_autoscaling_stats, scrape_from_raw)
+from kvserve.cluster import policy_board  # noqa: E402
+from kvserve.cluster.autoscaling import (STATE_KEY, WINDOW_LOG, AutoscaleSettings, StepInputs,  # noqa: E402
+                                         autoscale_step, log_window, replica_autoscaling_stats, scrape_from_raw)
 from kvserve.cluster.ray_autoscale import KVServeAutoscalingPolicy, autoscaling_config  # noqa: E402
 from kvserve.server.metrics import ServerMetrics  # noqa: E402
 
@@ -117,6 +118,27 @@ def test_each_closed_window_counts_the_age_of_the_sample_that_closed_it():
     n, state, _ = _tick(state, 112.0, 1, _raw({"a": [(110.0, _stats(1_000, 100))]}))   # the next one is open
     n, state, _ = _tick(state, 120.5, 1, _raw({"a": [(120.0, _stats(1_000, 100))]}))
     assert state[STATE_KEY]["sample_age"] == {"count": 2, "sum_s": pytest.approx(2.0)}
+    # each closed window logged: its closing sample's time, the tick's, the tokens/s it measured
+    assert state[STATE_KEY]["windows"] == [[110.0, 111.5, 0.0, 0.0], [120.0, 120.5, 0.0, 0.0]]
+
+
+def test_the_window_log_keeps_the_last_windows_oldest_first():
+    logged = None
+    for k in range(WINDOW_LOG + 5):
+        logged = log_window(logged, 10.0 * k, 10.0 * k + 1.5, (100.0 + k, 5.0))
+    assert len(logged) == WINDOW_LOG
+    assert logged[0] == [50.0, 51.5, 105.0, 5.0] and logged[-1][0] == 10.0 * (WINDOW_LOG + 4)
+
+
+def test_the_policy_publishes_each_closed_window_and_logs_only_changes(monkeypatch):
+    published = []
+    monkeypatch.setattr(policy_board, "publish", lambda app, name, record: published.append(record))
+    policy = KVServeAutoscalingPolicy(**COLD.to_kwargs())
+    _, state = policy(_ctx({}, 100.0, 1, 1, _raw({"r0": [(100.0, _stats(0, 0))]})))
+    for t in (110.0, 111.0, 120.0, 130.0):          # idle: the demand stays 0, windows close at 110, 120, 130
+        _, state = policy(_ctx(state, t + 0.5, 1, 1, _raw({"r0": [(t, _stats(0, 0))]})))
+    assert [r["windows_closed"] for r in published] == [0, 1, 2, 3]
+    assert [w[0] for w in published[-1]["windows"]] == [110.0, 120.0, 130.0]
 
 
 def test_a_new_replica_counts_from_zero_and_the_state_is_never_mutated():
