@@ -26,13 +26,16 @@
    the router's view of the replicas: their stats as Ray Serve delivers them, every
    ``ROUTING_STATS_PERIOD_S`` and as old as the ingress measured at its decisions
    (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). It plays the probe first,
-   at the lead it had (its load is in the autoscaler's first windows), decides as long after its
-   readings as the cluster's policy measured (``decision_sample_age``), and slows every step by
-   the host's drift, read beside the cluster by ``fleetsim/host_meter.py``. Beside it, the same with
-   one part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
+   at the lead it had (its load is in the autoscaler's first windows), reads and decides on the
+   cluster's own clock (``ClusterRun.clock``: the spacing, phase and age of the readings its
+   policy closed its demand windows on, ``cluster_windows``), and slows every step by the host's
+   drift, read beside the cluster by ``fleetsim/host_meter.py``. Beside it, the same with one
+   part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
    without the shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_off``;
-   ``probe_not_played``; ``decision_delay_estimated``: ``ray_decision_timing``'s delay).
+   ``probe_not_played``; ``decision_clock_estimated``: ``ray_decision_timing``'s clock;
+   ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
+   into the probe).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
         [--seed N] [--runs K]
@@ -56,7 +59,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
+from dataclasses import dataclass, replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -67,7 +70,6 @@ KV_CACHE_GIB = 0.25
 PROMPT_MEAN, OUTPUT_MEAN = 128.0, 24.0   # the trace's mean lengths; the capacity is planned for them
 HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
 PROBE_STREAM = dict(batch=10, batch_gap_s=0.25)   # the probe's busy part: 10 requests 0.25 s apart (4/s)
-MEASURED = "measured"       # ClusterSimulator's decision delay: the cluster's measured sample age
 IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
 IDLE_WINDOWS = 6            # ... in this many windows, the background their median (a burst is not background)
 
@@ -123,16 +125,16 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host, probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations
     from kvserve.loader.api import default_model_path
+    from kvserve.planner.model_io import model_from_gguf
 
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
     args = build_parser().parse_args(["cluster", "serve", *flags])
     settings = settings_from_args(args, default_model_path())
-    simulate = ClusterSimulator(hw_path, args, settings)
     rates = load_rates(settings, phases)
     trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(**PROBE_STREAM)
-    vocab = simulate.cost(1.0).model.vocab_size
-    run = measure_cluster(flags, trace, probe, vocab, seed)
-    simulate.decision_delay_s = run.sample_age_s
+    run = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed)
+    estimated = ray_decision_timing(demand_window_s)
+    simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
     plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
     start_s = sum(starts) / len(starts) if starts else 0.0
     start_cores = starting_cores(run.changes, run.snapshots)
@@ -140,28 +142,27 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                    one_at_a_time=len(SINGLE_PROMPTS))
     stats = router_stats(run.stats_age_s)
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
-                               prefill_slowdown=fit.prefill_slowdown)
-    host = SharedHost(host_cores(), args.threads, plane, start_cores, run.drift)
-    simulated, sim_steps = on_fit(host, router_stats=stats, lead_in=lead_in)
+                               prefill_slowdown=fit.prefill_slowdown, router_stats=stats, lead_in=lead_in)
+    host = functools.partial(SharedHost, host_cores(), args.threads, plane)
+    simulated, sim_steps = on_fit(host(start_cores, run.drift))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        ("decision_delay_estimated", on_fit(host, router_stats=stats, lead_in=lead_in,
-                                            decision_delay_s=ray_decision_timing(demand_window_s)[1])),
-        ("cores_unshared", on_fit(None, router_stats=stats, lead_in=lead_in)),
-        ("starts_cost_no_cpu", on_fit(SharedHost(host_cores(), args.threads, plane, drift=run.drift),
-                                      router_stats=stats, lead_in=lead_in)),
-        ("host_drift_off", on_fit(SharedHost(host_cores(), args.threads, plane, start_cores), router_stats=stats,
-                                  lead_in=lead_in)),
-        ("router_view_live", on_fit(host, lead_in=lead_in)),
-        ("probe_not_played", on_fit(SharedHost(host_cores(), args.threads, plane, start_cores,
-                                               run.drift.shifted(run.probe_lead_s)), router_stats=stats)))}
+        ("decision_clock_estimated", on_fit(host(start_cores, run.drift), clock=estimated)),
+        ("window_phase_unaligned", on_fit(host(start_cores, run.drift), clock=replace(simulate.clock, phase_s=None))),
+        ("cores_unshared", on_fit(None)),
+        ("starts_cost_no_cpu", on_fit(host(drift=run.drift))),
+        ("host_drift_off", on_fit(host(start_cores))),
+        ("router_view_live", on_fit(host(start_cores, run.drift), router_stats=None)),
+        ("probe_not_played", on_fit(host(start_cores, run.drift.shifted(run.probe_lead_s)), lead_in=None)))}
     return {"load_phases": [list(p) for p in phases],
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
             "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
             "start_cpu_cores": round(start_cores, 3), "decision_sample_age_s": run.sample_age_s,
+            "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(simulate.clock).items()},
+            "cluster_windows": run.windows_on_trace_clock(settings.capacity()),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
@@ -172,13 +173,43 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
         run.measured, simulated
 
 
-def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> SimpleNamespace:
+@dataclass
+class ClusterRun:
+    """What ``measure_cluster`` measured: ``probed`` and ``measured`` (the filled logs),
+    ``served_by``, ``changes`` (the replicas by state), ``snapshots`` (the processes' CPU at each
+    change), ``plane`` (``PlaneFit``), ``stats_age_s`` (``mean_stats_age``), ``sample_age_s`` and
+    ``windows`` (``decision_record``), ``probe_lead_s`` (the probe was sent this long before the
+    trace), ``trace_wall_s`` (the trace's start on the wall clock) and ``drift``
+    (``host_meter.HostDrift`` relative to the probe, from the probe's start)."""
+
+    probed: object
+    measured: object
+    served_by: list
+    changes: list
+    snapshots: list
+    plane: object
+    stats_age_s: float
+    sample_age_s: float | None
+    windows: list
+    probe_lead_s: float
+    trace_wall_s: float
+    drift: object
+
+    def clock(self, estimate):
+        """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
+        from kvserve.fleetsim.cluster_check import cluster_decision_clock
+        return cluster_decision_clock(self.windows, self.trace_wall_s, estimate)
+
+    def windows_on_trace_clock(self, capacity) -> list[list[float]]:
+        """The policy's closed windows as ``[reading, decision, load]``: seconds on the trace's
+        clock, the load in replicas (``capacity.load``, before the headroom)."""
+        return [[round(w[0] - self.trace_wall_s, 2), round(w[1] - self.trace_wall_s, 2),
+                 round(capacity.load(w[2], w[3]), 3)] for w in self.windows]
+
+
+def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> ClusterRun:
     """Start ``kvserve cluster serve`` with ``flags``; read the idle host, play the probe, measure
-    the serving plane over it, play the trace while watching the replicas: ``probed`` and
-    ``measured`` (the filled logs), ``served_by``, ``changes`` (the replicas by state),
-    ``snapshots`` (the processes' CPU at each change), ``plane`` (``PlaneFit``), ``stats_age_s``
-    (``mean_stats_age``), ``probe_lead_s`` (the probe was sent this long before the trace) and
-    ``drift`` (``host_meter.HostDrift`` relative to the probe, from the probe's start)."""
+    the serving plane over it, play the trace while watching the replicas (``ClusterRun``)."""
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_meter import HostDrift, HostMeter
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace
@@ -190,13 +221,13 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> Si
         probe_end = time.perf_counter()
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         snapshots, trace_t0 = [], time.perf_counter()
+        trace_wall_s = time.time() - (time.perf_counter() - trace_t0)
         measured, served_by, changes = asyncio.run(replay_and_watch(
             cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
-        stats_age_s, sample_age_s = mean_stats_age(cluster.url), decision_sample_age(cluster.url)
-    return SimpleNamespace(sample_age_s=sample_age_s, probed=probed, plane=plane, measured=measured,
-                           served_by=served_by, changes=changes,
-                           snapshots=snapshots, stats_age_s=stats_age_s, probe_lead_s=trace_t0 - probe_t0,
-                           drift=HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0))
+        stats_age_s, decisions = mean_stats_age(cluster.url), decision_record(cluster.url)
+    return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
+                      decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
+                      trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0))
 
 
 def router_stats(mean_age_s: float) -> tuple[float, float]:
@@ -206,12 +237,13 @@ def router_stats(mean_age_s: float) -> tuple[float, float]:
     return ROUTING_STATS_PERIOD_S, delay_from_mean_age(mean_age_s, ROUTING_STATS_PERIOD_S)
 
 
-def decision_sample_age(url: str) -> float | None:
-    """The mean age of the samples that closed the engine deployment's demand windows, as its
-    autoscaling policy published it (``/cluster/status``; None before any window closed)."""
+def decision_record(url: str) -> dict:
+    """The engine deployment's autoscaling record as its policy published it (``/cluster/status``):
+    ``mean_sample_age_s``, the mean age of the samples that closed its demand windows, and
+    ``windows``, its last closed windows (``autoscaling.log_window``); {} before its first tick."""
     import httpx
     status = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
-    return (status["deployments"]["engine"].get("autoscale") or {}).get("mean_sample_age_s")
+    return status["deployments"]["engine"].get("autoscale") or {}
 
 
 def mean_stats_age(url: str) -> float:
@@ -240,18 +272,16 @@ class ClusterSimulator:
     """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None,
     prefill_slowdown=None)``: ``log`` through the simulated deployment (the cluster's settings) on
     the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``
-    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``), its autoscaler deciding
-    ``decision_delay_s`` after its readings (``MEASURED``: ``self.decision_delay_s``, the cluster's
-    measured sample age once set; None: ``ray_decision_timing``'s estimate): (the filled log, the
-    serving replica count's steps)."""
+    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``), its autoscaler reading and
+    deciding on ``clock`` (``cluster_check.DecisionClock``; default: the cluster's, given at
+    construction): (the filled log, the serving replica count's steps)."""
 
-    def __init__(self, hw_path: str, args, settings):
+    def __init__(self, hw_path: str, args, settings, clock):
         from kvserve.loader.api import default_model_path
         from kvserve.planner.hardware import load_hardware_file
         from kvserve.planner.model_io import model_from_gguf
         self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
-        self.args, self.settings = args, settings
-        self.decision_delay_s: float | None = None     # the cluster's measured sample age (None: estimated)
+        self.args, self.settings, self.clock = args, settings, clock
 
     def cost(self, slowdown: float, seq_extra_s: float = 0.0, prefill_slowdown: float | None = None):
         from kvserve.fleetsim.host_fit import slowed
@@ -263,16 +293,15 @@ class ClusterSimulator:
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
                  path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
-                 router_stats: tuple[float, float] | None = None, lead_in=None, decision_delay_s=MEASURED):
+                 router_stats: tuple[float, float] | None = None, lead_in=None, clock=None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
         cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
-        decision_delay_s = self.decision_delay_s if decision_delay_s is MEASURED else decision_delay_s
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         from kvserve.cluster.admission import fleet_slots
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
                                    self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
-                                   router_stats, lead_in, decision_delay_s)
+                                   router_stats, lead_in, clock or self.clock)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

@@ -64,7 +64,7 @@ def run_router(router: str, hw_path: str, trace, turn_gap_s: float | None = None
     from kvserve.fleetsim.validate import compare
     flags = cluster_flags(router)
     args = build_parser().parse_args(["cluster", "serve", *flags])
-    costs = ClusterSimulator(hw_path, args, None)       # its cost(): the profile slowed by a fit
+    costs = ClusterSimulator(hw_path, args, None, None)     # its cost(): the profile slowed by a fit
     slots = fleet_slots(REPLICAS, MAX_NUM_SEQS, args.queue_wait_s)
 
     def simulate(log, slowdown, seq_extra_s=0.0, prefill_slowdown=None, path_latency_s=0.0, host=None):

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -58,34 +59,74 @@ def phased_trace(phases: list[tuple[float, float]], prompt_mean: float, output_m
     return trace_log(rng, arrivals, prompt_mean, output_mean)
 
 
-def ray_decision_timing(demand_window_s: float) -> tuple[float, float]:
-    """(seconds between the token policy's decisions, the age of the newest sample a decision
-    reads) on Ray Serve as ``cluster/ray_autoscale.py`` configures it: a replica records a
-    sample every ``LOOK_BACK_S x 0.2`` seconds and, on its own timer of ``METRICS_INTERVAL_S``,
-    pushes the samples to the controller, whose next control-loop pass (every
-    ``CONTROL_LOOP_S``) reads them. The demand window closes on the first sample at least
-    ``demand_window_s`` after its start, so decisions come every ``ceil(window / record) x
-    record`` seconds; the sample that closes it is between 0 and one record interval old when
-    pushed, so were the two timers' phases random a decision would read it ``record / 2 +
-    CONTROL_LOOP_S`` after it was taken, on the mean: that is this estimate. The cluster's policy
-    measured 1.87-1.89 s over three runs (``mean_sample_age_s``: in each cycle the push runs
-    before the record), which the cluster check uses instead. (The simulator took the oldest a
-    sample can be, ``record + push``, before: its scale-downs came 4-5 s after the cluster's.)"""
+@dataclass(frozen=True)
+class DecisionClock:
+    """When the simulated autoscaler reads the replicas and decides, on the trace's clock (0: the
+    trace's first request is sent; a lead-in before it runs at negative times): a reading every
+    ``interval_s``, one of them at ``phase_s`` (None: the first one interval after the simulation
+    starts), each decided ``delay_s`` after it (the age of the sample the decision reads)."""
+
+    interval_s: float
+    delay_s: float
+    phase_s: float | None = None
+
+    def on_clock_from(self, start_s: float) -> DecisionClock:
+        """The same readings on a clock that starts at ``start_s`` of this one's (a lead-in's
+        simulation starts ``-lead_s`` before the trace)."""
+        return self if self.phase_s is None else replace(self, phase_s=self.phase_s - start_s)
+
+    def first_tick_s(self) -> float | None:
+        """The first reading after the clock's 0 (None: one interval in)."""
+        if self.phase_s is None:
+            return None
+        first = math.fmod(self.phase_s, self.interval_s)
+        first = first + self.interval_s if first < 0 else first
+        return first if first > 1e-9 else self.interval_s
+
+
+def ray_decision_timing(demand_window_s: float) -> DecisionClock:
+    """The token policy's decisions on Ray Serve as ``cluster/ray_autoscale.py`` configures it,
+    estimated: a replica records a sample every ``LOOK_BACK_S x 0.2`` seconds and, on its own
+    timer of ``METRICS_INTERVAL_S``, pushes the samples to the controller, whose next
+    control-loop pass (every ``CONTROL_LOOP_S``) reads them. The demand window closes on the first
+    sample at least ``demand_window_s`` after its start, so decisions come every ``ceil(window /
+    record) x record`` seconds; the sample that closes it is between 0 and one record interval old
+    when pushed, so were the two timers' phases random a decision would read it ``record / 2 +
+    CONTROL_LOOP_S`` after it was taken, on the mean. The phase is unknown (None). The cluster
+    measures all three (``cluster_decision_clock``), which the cluster check uses instead."""
     from kvserve.cluster.ray_autoscale import LOOK_BACK_S, METRICS_INTERVAL_S
     record_every = min(LOOK_BACK_S * 0.2, METRICS_INTERVAL_S)
-    return math.ceil(demand_window_s / record_every - 1e-9) * record_every, record_every / 2 + CONTROL_LOOP_S
+    return DecisionClock(math.ceil(demand_window_s / record_every - 1e-9) * record_every,
+                         record_every / 2 + CONTROL_LOOP_S)
+
+
+def cluster_decision_clock(windows: list, trace_start_s: float, estimate: DecisionClock) -> DecisionClock:
+    """The cluster's own decision clock from its policy's closed demand windows (``[sample_s,
+    decided_s, ...]`` on the wall clock, ``autoscaling.log_window``, on its ``/cluster/status``)
+    and the wall-clock time the trace started: the readings' median spacing, the decisions' mean
+    delay after them and the readings' phase on the trace's clock (their offsets from a grid of
+    that spacing, their median). ``estimate`` when fewer than two windows were logged."""
+    if len(windows) < 2:
+        return estimate
+    reads = np.array([w[0] for w in windows]) - trace_start_s
+    interval = float(np.median(np.diff(reads)))
+    steps = np.round((reads - reads[0]) / interval)
+    phase = float(np.median(reads - steps * interval))
+    delay = float(np.mean([w[1] - w[0] for w in windows]))
+    return DecisionClock(interval, delay, phase)
 
 
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                         settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
                         queue_wait_s: float = float("inf"), host: SharedHost | None = None,
                         router_stats: tuple[float, float] | None = None,
-                        lead_in: tuple[RequestLog, float] | None = None, decision_delay_s: float | None = None
+                        lead_in: tuple[RequestLog, float] | None = None, clock: DecisionClock | None = None
                         ) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
     the serving replica count's step function). A hot model's first replica serves at time 0, as
-    the cluster's does (it is up before the trace starts); decisions follow ``ray_decision_timing``.
+    the cluster's does (it is up before the trace starts); decisions follow ``clock`` (None:
+    ``ray_decision_timing``'s estimate).
     A request reaches the replica ``path_latency_s`` after it is sent (``host_fit``: the serving
     path's hops); its TTFT counts from the send. ``slots`` and ``queue_wait_s``: the ingress's
     queue (``cluster/admission.fleet_slots``): beyond ``slots`` requests on the replicas, the
@@ -95,16 +136,14 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     the replica stats the router places requests by (``router_view.StaleView``; None: live).
     ``lead_in``: (requests, seconds): requests sent that long before the trace started (the
     cluster's probe), played first and left out of the result, so the autoscaler's first windows
-    hold their load as the cluster's do. ``decision_delay_s``: the age of the samples the
-    cluster's decisions read, as it measured them (``mean_sample_age_s`` on its
-    ``/cluster/status``); None: ``ray_decision_timing``'s."""
+    hold their load as the cluster's do."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     if lead_in is not None:
         lead, lead_s = lead_in
         log, steps = simulate_autoscaled(lead.followed_by(trace, lead_s), cost, max_num_seqs, max_batched_tokens,
                                          kv_tokens, settings, start_s, path_latency_s, slots, queue_wait_s, host,
-                                         router_stats, decision_delay_s=decision_delay_s)
+                                         router_stats, clock=clock and clock.on_clock_from(-lead_s))
         played = log.part_from(len(lead), lead_s)
         played.arrival = list(trace.arrival)          # the shift's rounding left out
         return played, shift_steps(steps, lead_s)
@@ -113,11 +152,11 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
                            ColdStartLayers(start_s, 0.0, 0.0, 0.0))
     log = trace.fresh()
     log.arrival = [t + path_latency_s for t in trace.arrival]
-    interval, delay = ray_decision_timing(settings.demand_window_s)
-    delay = delay if decision_delay_s is None else decision_delay_s
+    clock = clock or ray_decision_timing(settings.demand_window_s)
     scenario = Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),),
                         duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0,
-                        autoscale_interval_s=interval, decision_delay_s=delay,
+                        autoscale_interval_s=clock.interval_s, decision_delay_s=clock.delay_s,
+                        autoscale_first_tick_s=clock.first_tick_s(),
                         downscale_window_s=settings.downscale_window_s,
                         headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
                         max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",),

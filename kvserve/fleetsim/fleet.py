@@ -3,15 +3,14 @@ the residency tiers of one fleet policy.
 
 Events, in time order (ties by insertion): a request's arrival (routed or queued; a
 closed-loop conversation's turn held back until its previous answer ended is pushed as an
-event, ``conversations.TurnGate``), a
-replica's segment end (``BatchReplica.complete``; the slots of the requests it finished go to
-the deployment's queue), a replica becoming ready, the autoscaler
-tick (every ``autoscale_interval_s``: queued requests past their wait are rejected, then each
-model's replicas are read), the decision on that reading (``ModelScaler.decide``, applied at
-once) ``decision_delay_s`` after it, the age of the metrics a real controller decides from, a
-down step falling due between two decisions (the scaler re-decides on the input it holds,
-``ModelScaler.recheck``, as kvserve's policy does on every tick of Ray Serve's controller), the
-re-tiering tick (every ``retier_interval_s``) and,
+event, ``conversations.TurnGate``), a replica's segment end (``BatchReplica.complete``; the
+slots of the requests it finished go to the deployment's queue), a replica becoming ready, the
+autoscaler tick (every ``autoscale_interval_s`` from ``autoscale_first_tick_s``: queued
+requests past their wait are rejected, then each model's replicas are read), the decision on
+that reading (``ModelScaler.decide``, applied at once) ``decision_delay_s`` after it, the age of
+the metrics a real controller decides from, a down step falling due between two decisions (the
+scaler re-decides on the input it holds, ``ModelScaler.recheck``, as kvserve's policy does on
+every tick of Ray Serve's controller), the re-tiering tick (every ``retier_interval_s``) and,
 with ``router_stats_period_s``, the record of the replicas' stats the routers see
 (``router_view.StaleView``). No
 clock is read and every choice is ordered, so the same scenario gives the same result.
@@ -101,7 +100,8 @@ class FleetSim:
     def run(self) -> dict:
         s = self.scenario
         if self.policy.signal is not None:
-            self._push(s.autoscale_interval_s, TICK, None, None)
+            first = s.autoscale_interval_s if s.autoscale_first_tick_s is None else s.autoscale_first_tick_s
+            self._push(first, TICK, None, None)
         if self.policy.tiers == "planned":
             self._push(s.retier_interval_s, RETIER, None, None)
         if s.router_stats_period_s is not None:

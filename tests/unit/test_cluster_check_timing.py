@@ -5,13 +5,16 @@ controller takes it; and the probe sent before the trace (``lead_in``) is played
 autoscaler's first windows hold its load, and left out of the result."""
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
 from kvserve.autoscale.capacity import ReplicaCapacity
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.cluster.autoscaling import AutoscaleSettings
-from kvserve.fleetsim.cluster_check import phased_trace, ray_decision_timing, shift_steps, simulate_autoscaled
+from kvserve.fleetsim.cluster_check import (DecisionClock, cluster_decision_clock, phased_trace,
+                                            ray_decision_timing, shift_steps, simulate_autoscaled)
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.scaling import POLICIES, ModelScaler
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
@@ -26,8 +29,12 @@ SETTINGS = AutoscaleSettings("tokens", "hot", 1, 2, prefill_tokens_per_s=2000.0,
 START_S = 3.0
 
 
-def _simulate(trace: RequestLog, lead_in=None):
-    return simulate_autoscaled(trace, COST, 4, 1024, 100_000, SETTINGS, START_S, lead_in=lead_in)
+def _simulate(trace: RequestLog, lead_in=None, clock: DecisionClock | None = None):
+    return simulate_autoscaled(trace, COST, 4, 1024, 100_000, SETTINGS, START_S, lead_in=lead_in, clock=clock)
+
+
+def _ups(steps) -> list[float]:
+    return [t for (t, n), (_, before) in zip(steps[1:], steps) if n > before and t > 0]
 
 
 def _scaler() -> ModelScaler:
@@ -57,9 +64,10 @@ def test_a_decision_reads_the_replicas_earlier_than_it_is_made():
 
 
 def test_the_simulated_cluster_steps_down_a_window_after_a_decision_not_at_a_later_one():
-    interval, delay = ray_decision_timing(SETTINGS.demand_window_s)
+    clock = ray_decision_timing(SETTINGS.demand_window_s)
+    interval, delay = clock.interval_s, clock.delay_s
     _, steps = _simulate(phased_trace([(20.0, 6.0), (40.0, 0.2)], 128, 24, seed=0))
-    ups = [t for (t, n), (_, before) in zip(steps[1:], steps) if n > before and t > 0]
+    ups = _ups(steps)
     downs = [t for (t, n), (_, before) in zip(steps[1:], steps) if n < before]
     assert ups and len(downs) == 1, steps
     # decisions are made at tick + delay; the count went below at one and stepped down a window later
@@ -108,3 +116,29 @@ def test_shifted_steps_start_at_zero_with_the_count_then():
     assert shift_steps([(0.0, 0), (0.0, 1), (2.0, 2), (15.0, 1)], 10.0) == [(0.0, 2), (5.0, 1)]
     assert shift_steps([(0.0, 1)], 10.0) == [(0.0, 1)]
     assert shift_steps([(12.0, 2)], 10.0) == [(2.0, 2)]
+
+
+def test_the_cluster_decision_clock_is_read_off_its_closed_windows():
+    start = 1_000.0                                  # the trace's start on the wall clock
+    reads = [start - 13.0 + 5.98 * k + jitter for k, jitter in enumerate([0.0, 0.03, -0.02, 0.01, 0.0, 0.02, -0.01])]
+    windows = [[r, r + 1.9, 100.0, 10.0] for r in reads]
+    clock = cluster_decision_clock(windows, start, ray_decision_timing(5.0))
+    assert clock.interval_s == pytest.approx(5.98, abs=0.03) and clock.delay_s == pytest.approx(1.9)
+    assert clock.phase_s == pytest.approx(-13.0, abs=0.03)
+    assert clock.first_tick_s() == pytest.approx(-13.0 + 3 * 5.98, abs=0.1)       # 4.94: the first after 0
+    assert clock.on_clock_from(-11.0).first_tick_s() == pytest.approx(-2.0 + 5.98, abs=0.05)
+    assert cluster_decision_clock(windows[:1], start, ray_decision_timing(5.0)) == ray_decision_timing(5.0)
+
+
+def test_the_windows_phase_moves_the_scale_up_with_it():
+    trace = phased_trace([(10.0, 0.2), (30.0, 6.0)], 128, 24, seed=0)
+    ups = {}
+    for phase in (1.0, 4.0):
+        clock = DecisionClock(6.0, 1.5, phase)
+        _, steps = _simulate(trace, clock=clock)
+        ups[phase] = _ups(steps)[0]
+        # the replica serves START_S after a decision, made 1.5 s after a reading on the phase's grid
+        assert math.remainder(ups[phase] - START_S - 1.5 - phase, 6.0) == pytest.approx(0.0, abs=1e-6)
+    _, probe_steps = _simulate(trace, lead_in=(RequestLog([0.0], [0], [0], [64], [8]), 7.0),
+                               clock=DecisionClock(6.0, 1.5, 4.0))
+    assert _ups(probe_steps)[0] == pytest.approx(ups[4.0])          # the phase is the trace's, lead-in or not
