@@ -53,11 +53,24 @@ def test_a_starting_replica_loads_the_host_until_its_start_ends():
     host.busy("b", 90.0)
     assert host.factor() == 1.0
     host.starting("c")
-    assert host.factor() == pytest.approx(1.5)       # (2 engines + 1 starting core) / 2 cores
+    assert host.factor() == pytest.approx(1.5)       # the start takes its fair 2/3 (of 1), 2 engines share 4/3
     host.start_ended("c")
     host.start_ended("c")                            # ended twice (served after a cancel) is harmless
     assert host.factor() == 1.0
     assert SharedHost(2, 1, NO_PLANE).start_cores == 0.0      # no measured start: starts are free
+
+
+def test_a_start_takes_the_cores_it_was_measured_to_get_and_the_engines_share_the_rest():
+    plane = PlaneFit(0.11, 0.0047)                   # as measured on this check's host
+    host = SharedHost(2, 1, plane, start_cores=0.8)
+    host.busy("a", 100.0)
+    alone = host.factor()
+    host.starting("b")
+    s = host.factor()
+    assert alone == 1.0 and s == pytest.approx(1.24, abs=0.01)     # the engine measured 1.22x slower
+    assert s * (2 - 0.8) == pytest.approx(1 + 0.11 + 0.0047 * 100.0 / s)
+    host.busy("c", 100.0)                            # three heavy users: a start gets at most a third
+    assert host.starts_take() == pytest.approx(2 / 3)
 
 
 def test_new_processes_cpu_counts_the_newcomers_and_a_pid_that_took_a_new_command_line():
@@ -77,9 +90,9 @@ def test_a_deployment_tells_its_host_when_a_replica_starts_and_when_it_serves_or
     dep = Deployment(0, sizing, ResidencyTier.HOT, RequestLog([], [], [], [], []), SchedulerReplica, host=host)
     first, _ = dep.start_replica(0.0)
     second, _ = dep.start_replica(0.0)
-    assert host.factor() == pytest.approx(2.0)      # 1 busy engine + 2 x 0.5 starting on 1 core
+    assert host.factor() == pytest.approx(3.0)      # 2 starts take their fair 2/3 of the core, 1 engine the rest
     dep.replica_ready(first, 1.0)
-    assert host.factor() == pytest.approx(1.5)
+    assert host.factor() == pytest.approx(2.0)      # one start takes its 0.5
     dep.stop_replicas(1, 2.0)                        # the one still starting is cancelled
     assert host.factor() == 1.0
 
