@@ -3,13 +3,16 @@ KV-aware routing over two fixed replicas, the same trace.
 
 For each router: ``kvserve cluster serve --replicas 2 --router R`` (the default model, one thread
 and 0.25 GiB of KV each: the trace's prefixes need more than one replica's pool, less than two),
-a probe through it (``host_fit.probe_trace``: requests one at a time, then a batch; no shared
-prefix) fits the host against the profile as the autoscaling check does
-(``benchmarks/fleet_sim_cluster.py``), then a Poisson trace whose prompts start with one of G
+a probe through it (``host_fit.probe_trace``: requests one at a time, then a batch of four at
+once, not the autoscaling check's stream: ten requests spread over two replicas fit a decode
+slowdown of 0.21-0.54; no shared prefix) fits the host against the profile as the autoscaling
+check does (``benchmarks/fleet_sim_cluster.py``), then a Poisson trace whose prompts start with one of G
 shared P-token prefixes is replayed (prompt ids from ``fleetsim/prompt_ids.py``; each request's
 cached tokens from the stream's usage). The simulator plays the same requests through two
 replicas running the engine's scheduler and prefix cache, placed by the same router policy (fed
-their cache events), on the fitted host (``cluster_check.simulate_fixed``).
+their cache events) on the replicas' stats as the cluster's router saw them (every
+``ROUTING_STATS_PERIOD_S``, as old as the ingress measured; ``router_view_live``: the router
+sees the replicas as they are), on the fitted host (``cluster_check.simulate_fixed``).
 
     .venv/bin/python benchmarks/fleet_sim_cluster_prefix.py [--hardware PATH] [--requests 120]
         [--rate 1.0] [--prefix-groups 32] [--prefix-tokens 512] [--turns 1] [--turn-gap 2.0]
@@ -28,17 +31,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import sys
-import time
 from collections import Counter
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.fleet_sim_cluster import (IDLE_S, IDLE_WINDOWS, KV_CACHE_GIB, ClusterSimulator,  # noqa: E402
-                                          host_cores, profile)
+                                          host_cores, mean_stats_age, profile, router_stats)
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 REPLICAS, MAX_NUM_SEQS = 2, 4
@@ -67,11 +70,11 @@ def run_router(router: str, hw_path: str, trace, turn_gap_s: float | None = None
     costs = ClusterSimulator(hw_path, args, None, None)     # its cost(): the profile slowed by a fit
     slots = fleet_slots(REPLICAS, MAX_NUM_SEQS, args.queue_wait_s)
 
-    def simulate(log, slowdown, seq_extra_s=0.0, prefill_slowdown=None, path_latency_s=0.0, host=None):
+    def simulate(log, slowdown, seq_extra_s=0.0, prefill_slowdown=None, path_latency_s=0.0, host=None, stats=None):
         cm = costs.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
         return simulate_fixed(log, cm, MAX_NUM_SEQS, args.max_num_batched_tokens, kv_tokens, REPLICAS, router,
-                              path_latency_s, host, True, slots, args.queue_wait_s, turn_gap_s)
+                              path_latency_s, host, True, slots, args.queue_wait_s, turn_gap_s, stats)
 
     probe, vocab = probe_trace(MAX_NUM_SEQS), costs.cost(1.0).model.vocab_size
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster:
@@ -79,11 +82,17 @@ def run_router(router: str, hw_path: str, trace, turn_gap_s: float | None = None
         probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=1))
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         measured, served_by = asyncio.run(replay_trace(cluster.url, trace, vocab, seed=0, turn_gap_s=turn_gap_s))
+        stats_age_s = mean_stats_age(cluster.url)
     fit = fit_host(probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill),
                    one_at_a_time=len(probe) - MAX_NUM_SEQS)
-    simulated = simulate(trace, fit.slowdown, fit.seq_extra_s, fit.prefill_slowdown, fit.path_latency_s,
-                         SharedHost(host_cores(), args.threads, plane))
+    on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, fit.prefill_slowdown,
+                               fit.path_latency_s, SharedHost(host_cores(), args.threads, plane))
+    stats = router_stats(stats_age_s)
+    simulated = on_fit(stats=stats)
+    live = compare(measured, on_fit())
     return {**compare(measured, simulated), "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(),
+            "router_stats": {"period_s": stats[0], "mean_age_s": round(stats_age_s, 4), "delay_s": round(stats[1], 4)},
+            "router_view_live": {"ratio": live["ratio"]},
             "not_served": {"measured": measured.status.count(REJECTED), "simulated": simulated.status.count(REJECTED)},
             "measured_requests_per_replica": dict(Counter(map(str, served_by)))}
 

@@ -172,14 +172,16 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
 def simulate_fixed(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                    replicas: int, router: str, path_latency_s: float = 0.0, host: SharedHost | None = None,
                    prefix_cache: bool = True, slots: int | None = None,
-                   queue_wait_s: float = float("inf"), turn_gap_s: float | None = None) -> RequestLog:
+                   queue_wait_s: float = float("inf"), turn_gap_s: float | None = None,
+                   router_stats: tuple[float, float] | None = None) -> RequestLog:
     """The trace through ``replicas`` always-on simulated replicas of the engine's scheduler (with
     its prefix cache when ``prefix_cache``), placed by the router's ``router`` policy, on ``host``,
     behind the ingress's queue (``slots``, ``queue_wait_s``: as ``simulate_autoscaled``); a
     request reaches them ``path_latency_s`` after it is sent: the filled log (a fixed cluster,
     ``kvserve cluster serve --replicas N --router R``). With ``turn_gap_s`` its conversations are
     closed loop, as ``replay.replay_trace`` plays them (a turn is sent the gap after its previous
-    answer, and reaches a replica the path's latency later)."""
+    answer, and reaches a replica the path's latency later). ``router_stats``: (period, delay) of
+    the replica stats the router places requests by, as ``simulate_autoscaled``'s (None: live)."""
     sizing = ReplicaSizing(MODEL, 1, max_num_seqs, max_batched_tokens, kv_tokens, cost, ReplicaCapacity(1.0, 1.0),
                            0.0, ColdStartLayers(0.0, 0.0, 0.0, 0.0))
     log = trace.fresh()
@@ -189,7 +191,8 @@ def simulate_fixed(trace: RequestLog, cost, max_num_seqs: int, max_batched_token
                          turn_gap_s=turn_gap_s + path_latency_s if closed else 0.0)
     scenario = Scenario(name="cluster-fixed", models=(model,), duration_s=max(trace.arrival) + 1.0,
                         budget_usd_month=0.0, policies=("always_on",), max_queue_wait_s=queue_wait_s,
-                        ingress_slots=slots)
+                        ingress_slots=slots, router_stats_period_s=router_stats[0] if router_stats else None,
+                        router_stats_delay_s=router_stats[1] if router_stats else 0.0)
     FleetSim(scenario, "always_on", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
              functools.partial(SchedulerReplica, host=host, prefix_cache=prefix_cache), host=host, router=router,
              initial_replicas=[replicas]).run()
