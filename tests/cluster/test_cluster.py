@@ -129,11 +129,13 @@ def _cold_replicas(cluster, count: int, max_tokens: int = 2, offset: int = 0) ->
 
 
 def _serve_on_both(cluster, attempts: int = 5) -> None:
-    """Requests four at a time until both replicas have served (the router spreads the load)."""
+    """Requests four at a time until both replicas have served (the router spreads the load);
+    their prompts are none of the other tests' (cached where they ran, such a prompt would be
+    routed back there when a later test wants requests to spread)."""
     seen: set[str] = set()
-    for _ in range(attempts):
-        threads = [threading.Thread(target=lambda i=i: seen.update(_cold_replicas(cluster, 1, 16, offset=i)))
-                   for i in range(4)]
+    for attempt in range(attempts):
+        threads = [threading.Thread(target=lambda i=i: seen.update(
+            _cold_replicas(cluster, 1, 16, offset=1000 + 4 * attempt + i))) for i in range(4)]
         for t in threads:
             t.start()
         for t in threads:
@@ -195,12 +197,27 @@ def test_the_ladder_sheds_batch_requests_only(cluster):
 
 
 def _engine_processes() -> list[psutil.Process]:
-    """The engine processes of the cluster's replicas (children of Serve replica actors)."""
+    """The live engine processes of the cluster's replicas (children of Serve replica actors); a
+    killed engine its replica has not reaped yet (a zombie) or one gone meanwhile is not one."""
     engines = []
     for proc in psutil.process_iter(["name"]):
         if (proc.info["name"] or "").startswith("ray::ServeRepl"):
-            engines += [c for c in proc.children() if "kvserve.ipc.engine_proc" in " ".join(c.cmdline())]
+            engines += [c for c in _children(proc) if _is_engine(c)]
     return engines
+
+
+def _children(proc: psutil.Process) -> list[psutil.Process]:
+    try:
+        return proc.children()
+    except psutil.Error:                        # the actor ended meanwhile
+        return []
+
+
+def _is_engine(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE and "kvserve.ipc.engine_proc" in " ".join(proc.cmdline())
+    except psutil.Error:                        # a zombie's cmdline, or gone meanwhile
+        return False
 
 
 def _stream(cluster, i: int, lines: list) -> None:
