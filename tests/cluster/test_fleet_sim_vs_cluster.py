@@ -51,7 +51,7 @@ When the latencies or the count fall outside their bands the check runs once mor
 profile, cluster and probe (``ATTEMPTS``), and reports the first run's ratios beside the
 second's. The count's is there because the cluster and the simulator read the same windows: a
 window that read 0.669 of a replica in the cluster (x 1.5 = 1.004, over the threshold of 1) read
-just under it simulated, and the simulator scaled up three windows later (mean abs. diff 0.21).
+under it simulated, and the simulator scaled up three windows later (mean abs. diff 0.21).
 """
 from __future__ import annotations
 
