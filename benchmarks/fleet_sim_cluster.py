@@ -17,12 +17,15 @@
    four lengths, then a stream of ten, ``PROBE_STREAM``) measures the host as the cluster's
    engines see it: how much slower they decode and prefill than the profile and the latency the
    serving path adds to a first token; and, from /proc, the serving plane's CPU per streamed
-   token and the background's cores (``fleetsim/host_cpu.py``).
+   token and the background's cores (``fleetsim/host_cpu.py``). Before the cluster starts, the
+   engine is timed alone and beside a second busy engine, each pinned to a core
+   (``fleetsim/host_contention.py``): the two engines' contention for the memory system.
 4. The simulator plays the same requests through one deployment with the cluster's limits,
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
    slowed by the probe's factors and per-sequence cost, the probe's path latency, the replica
    start the cluster took, the host's cores shared by the busy engines, the replicas starting
-   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane, and
+   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane, the
+   busy engines' memory contention, and
    the router's view of the replicas: their stats as Ray Serve delivers them, every
    ``ROUTING_STATS_PERIOD_S`` and as old as the ingress measured at its decisions
    (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). It plays the probe first,
@@ -32,6 +35,7 @@
    drift, read beside the cluster by ``fleetsim/host_meter.py``. Beside it, the same with one
    part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
    without the shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out;
+   ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_off``;
    ``probe_not_played``; ``decision_clock_estimated``: ``ray_decision_timing``'s clock;
    ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
@@ -122,7 +126,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing
     from kvserve.fleetsim.host_cpu import SharedHost
-    from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host, probe_trace
+    from kvserve.fleetsim.host_fit import probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations
     from kvserve.loader.api import default_model_path
     from kvserve.planner.model_io import model_from_gguf
@@ -132,18 +136,17 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     settings = settings_from_args(args, default_model_path())
     rates = load_rates(settings, phases)
     trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(**PROBE_STREAM)
-    run = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed)
+    run = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed,
+                          threads=args.threads, batch=args.max_num_seqs)
     estimated = ray_decision_timing(demand_window_s)
     simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
     plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
-    start_s = sum(starts) / len(starts) if starts else 0.0
-    start_cores = starting_cores(run.changes, run.snapshots)
-    fit = fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill)[0],
-                   one_at_a_time=len(SINGLE_PROMPTS))
+    start_s, start_cores = sum(starts) / len(starts) if starts else 0.0, starting_cores(run.changes, run.snapshots)
+    fit = fit_probe(run, probe, simulate)
     stats = router_stats(run.stats_age_s)
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown, router_stats=stats, lead_in=lead_in)
-    host = functools.partial(SharedHost, host_cores(), args.threads, plane)
+    host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor)
     simulated, sim_steps = on_fit(host(start_cores, run.drift))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
@@ -153,6 +156,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
         ("decision_clock_estimated", on_fit(host(start_cores, run.drift), clock=estimated)),
         ("window_phase_unaligned", on_fit(host(start_cores, run.drift), clock=replace(simulate.clock, phase_s=None))),
         ("cores_unshared", on_fit(None)),
+        ("memory_contention_off", on_fit(host(start_cores, run.drift, contention=1.0))),
         ("starts_cost_no_cpu", on_fit(host(drift=run.drift))),
         ("host_drift_off", on_fit(host(start_cores))),
         ("router_view_live", on_fit(host(start_cores, run.drift), router_stats=None)),
@@ -166,11 +170,23 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
+            "memory_contention": run.contention.as_dict(),
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
             "probe_lead_s": round(lead_in[1], 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
         run.measured, simulated
+
+
+def fit_probe(run, probe, simulate):
+    """The host's fit (``host_fit.fit_host``) to the probe ``run`` measured, the probe simulated
+    by ``simulate`` (``ClusterSimulator``) on the cluster's clock: it was sent ``probe_lead_s``
+    before the trace."""
+    from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host
+    clock = simulate.clock.on_clock_from(-run.probe_lead_s)
+    return fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill,
+                                                                        clock=clock)[0],
+                    one_at_a_time=len(SINGLE_PROMPTS))
 
 
 @dataclass
@@ -194,6 +210,7 @@ class ClusterRun:
     probe_lead_s: float
     trace_wall_s: float
     drift: object
+    contention: object
 
     def clock(self, estimate):
         """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
@@ -207,12 +224,17 @@ class ClusterRun:
                  round(capacity.load(w[2], w[3]), 3)] for w in self.windows]
 
 
-def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> ClusterRun:
-    """Start ``kvserve cluster serve`` with ``flags``; read the idle host, play the probe, measure
-    the serving plane over it, play the trace while watching the replicas (``ClusterRun``)."""
+def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
+                    batch: int = 4) -> ClusterRun:
+    """Time an engine of ``threads`` beside a second one on a batch of ``batch`` requests of the
+    trace's mean lengths (``host_contention.measure_contention``); start ``kvserve cluster
+    serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
+    it, play the trace while watching the replicas (``ClusterRun``)."""
+    from kvserve.fleetsim.host_contention import measure_contention
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_meter import HostDrift, HostMeter
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace
+    contention = measure_contention(threads=threads, workload=(batch, int(PROMPT_MEAN), int(OUTPUT_MEAN)))
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster, \
             HostMeter() as meter:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
@@ -227,7 +249,8 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int) -> Cl
         stats_age_s, decisions = mean_stats_age(cluster.url), decision_record(cluster.url)
     return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
                       decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
-                      trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0))
+                      trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
+                      contention)
 
 
 def router_stats(mean_age_s: float) -> tuple[float, float]:

@@ -32,6 +32,14 @@ the probe streamed.
 processes that appeared, or took on a new command line, between two ``process_cpu`` snapshots
 at the start's ends, over its seconds).
 
+Beyond the cores, the busy engines share the memory system: each step streams the weights.
+``contention`` (``host_contention.py``, measured before the check: an engine pinned to one core
+timed on its CPU clock alone and beside a second engine stepping on another core) is how much
+longer a step takes while another engine steps beside it. A neighbour slowed by ``s`` steps
+``1 / s`` of the time, so with ``n`` engines busy each step takes ``s x (1 + (contention - 1) x
+(n - 1) / s) = s + (contention - 1) x (n - 1)`` times its time alone. On this check's host it
+measured 1.01-1.06 (a replica starting beside a pinned engine: 1.02, not modelled).
+
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
 say when they are busy and at what token rate, the deployment when one starts and when it
 serves (``Deployment(host=)``), and each step's time is multiplied by the factor at the step's
@@ -160,10 +168,13 @@ class PlaneFit:
 class SharedHost:
     """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
     ``engine_threads``, the serving plane's ``plane``, each starting replica's ``start_cores`` and
-    ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady)."""
+    ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady) and
+    ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``)."""
 
-    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None):
+    def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None,
+                 contention: float = 1.0):
         self.cores = cores
+        self.contention = max(1.0, contention)       # a neighbour never speeds a step up
         self.drift = drift
         self.engine_threads = engine_threads
         self.plane = plane
@@ -194,7 +205,8 @@ class SharedHost:
 
     def factor(self) -> float:
         """How much slower than alone every busy engine steps now (at least 1): the starting
-        replicas take their cores first (``starts_take``), the rest is shared (the module
+        replicas take their cores first (``starts_take``), the rest is shared, and each busy
+        neighbour adds its memory contention for the share of the time it runs (the module
         docstring)."""
         engines = len(self._rates) * self.engine_threads
         if not engines:
@@ -202,8 +214,8 @@ class SharedHost:
         rest = self.cores - self.starts_take()
         demand = engines + self.plane.background_cores
         plane = self.plane.cpu_s_per_token * sum(self._rates.values())
-        s = (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest)
-        return max(1.0, s)
+        s = max(1.0, (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest))
+        return s + (self.contention - 1.0) * (len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
 
     def starts_take(self) -> float:
         """The cores the starting replicas take now: each the ``start_cores`` it was measured to

@@ -18,15 +18,18 @@ latency the serving path adds to a first token, and /proc gives the serving plan
 streamed token (``fleetsim/host_cpu.py``); the simulator plays the trace with the ingress's
 queue, the engine's scheduler and that host, its cores shared by the busy engines, the replicas
 starting (the cores the processes of a scale-up kept busy, from /proc snapshots at the start's
-ends) and the plane, and its router sees the replicas' stats as Ray Serve delivers them to the
-cluster's router, as old as the ingress measured (``fleetsim/router_view.py``). The simulator
+ends) and the plane, each busy engine slowed by the other's memory traffic (measured before the
+cluster starts: an engine pinned to one core alone and beside a second one on the other,
+``fleetsim/host_contention.py``; 1.03-1.05x here), and its router sees the replicas' stats as
+Ray Serve delivers them to the cluster's router, as old as the ingress measured
+(``fleetsim/router_view.py``). The simulator
 plays the probe before the trace, as the cluster took it, so the autoscaler's first windows hold
 its load; reads and decides on the cluster's own clock: the spacing, phase and age of the readings
 its policy closed its demand windows on (``decision_clock``, from ``cluster_windows``); and slows
 every step by the host's drift over the run, read by a small fixed workload beside the cluster
 (``fleetsim/host_meter.py``). The fit is checked to be sane (slowdowns of at most 1.5x, at most
 20 ms per sequence, a path of at most 0.2 s, the stream's TPOT reproduced, a plane of under 20 ms
-per token, a start's cores within the host's).
+per token, a start's cores within the host's, a contention of 0.9-1.5x measured on pinned cores).
 
 The trace was first given in requests/s at headroom 1.25: a step of 1.5 requests/s sat at the
 token policy's threshold on one profile and under it on a faster one, and a CI run had only the
@@ -93,6 +96,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     assert fit["fitted_batch_tpot_s"] == pytest.approx(fit["measured_batch_tpot_s"], rel=0.05), fit
     assert plane["background_cores"] < 0.5 * result["host_cores"] and 0.0 < plane["cpu_ms_per_token"] < 20.0, plane
     assert 0.0 < result["start_cpu_cores"] <= result["host_cores"], result      # the scale-up's processes ran
+    contention = result["memory_contention"]          # an engine beside a second one, pinned apart
+    assert contention["pinned"] == (result["host_cores"] >= 2) and 0.9 <= contention["factor"] <= 1.5, contention
     stats = result["router_stats"]                    # the age of the replica stats the router decided on
     assert 0.0 < stats["mean_age_s"] < 5.0 and stats["delay_s"] >= 0.0, stats
     # the age of the samples the cluster's scaling decisions read, the host's drift over the run

@@ -73,6 +73,18 @@ def test_a_start_takes_the_cores_it_was_measured_to_get_and_the_engines_share_th
     assert host.starts_take() == pytest.approx(2 / 3)
 
 
+def test_a_busy_neighbour_adds_its_memory_contention_for_the_share_of_the_time_it_runs():
+    host = SharedHost(2, 1, NO_PLANE, contention=1.1)
+    host.busy("a", 100.0)
+    assert host.factor() == 1.0                      # alone: no neighbour
+    host.busy("b", 100.0)
+    assert host.factor() == pytest.approx(1.1)       # two engines on two cores: each runs all the time
+    host.busy("c", 100.0)
+    s = 1.5                                          # three on two cores: each runs 2/3 of the time
+    assert host.factor() == pytest.approx(s * (1 + 0.1 * 2 / s))
+    assert SharedHost(2, 1, NO_PLANE, contention=0.97).contention == 1.0     # noise is not a speed-up
+
+
 def test_new_processes_cpu_counts_the_newcomers_and_a_pid_that_took_a_new_command_line():
     before = {(10, b"engine"): 50.0, (11, b"ray::IDLE"): 2.0, (12, b"raylet"): 7.0}
     after = {(10, b"engine"): 58.0, (11, b"ray::ServeReplica"): 3.5, (12, b"raylet"): 7.4, (13, b"engine"): 4.0}
