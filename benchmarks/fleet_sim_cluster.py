@@ -46,7 +46,11 @@
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
-(simulated / measured); the issue's bar is within 20%. With ``--runs K``: each run's object
+(simulated / measured); the issue's bar is within 20%. Beside them, the autoscaler's input: the
+demand windows the cluster's policy closed and the simulator's (``cluster_windows``,
+``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
+read at the same moment, the loads' median ratio, mean absolute difference and the share on the
+same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With ``--runs K``: each run's object
 under ``runs`` and, under ``pooled``, the latencies over all the runs' requests together
 (``cluster_check.pooled_latency``).
 """
@@ -124,7 +128,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     measured log, the simulated log)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
-    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing
+    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations
@@ -147,7 +151,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown, router_stats=stats, lead_in=lead_in)
     host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor)
-    simulated, sim_steps = on_fit(host(start_cores, run.drift))
+    simulated, sim_steps = on_fit(host(start_cores, run.drift), windows=(sim_windows := []))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
@@ -166,7 +170,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
             "start_cpu_cores": round(start_cores, 3), "decision_sample_age_s": run.sample_age_s,
             "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(simulate.clock).items()},
-            "cluster_windows": run.windows_on_trace_clock(settings.capacity()),
+            **window_record(run.windows_on_trace_clock(settings.capacity()),
+                            windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
@@ -176,6 +181,15 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
         run.measured, simulated
+
+
+def window_record(measured: list, simulated: list, headroom: float) -> dict:
+    """The cluster's and the simulator's demand windows (``[reading, decision, load]`` on the
+    trace's clock) and their comparison (``cluster_check.compare_windows``) against the load past
+    which one replica becomes two."""
+    from kvserve.fleetsim.cluster_check import compare_windows
+    return {"cluster_windows": measured, "simulated_windows": simulated,
+            "window_loads": compare_windows(measured, simulated, 1.0 / headroom)}
 
 
 def fit_probe(run, probe, simulate):
@@ -218,10 +232,10 @@ class ClusterRun:
         return cluster_decision_clock(self.windows, self.trace_wall_s, estimate)
 
     def windows_on_trace_clock(self, capacity) -> list[list[float]]:
-        """The policy's closed windows as ``[reading, decision, load]``: seconds on the trace's
-        clock, the load in replicas (``capacity.load``, before the headroom)."""
-        return [[round(w[0] - self.trace_wall_s, 2), round(w[1] - self.trace_wall_s, 2),
-                 round(capacity.load(w[2], w[3]), 3)] for w in self.windows]
+        """The policy's closed windows as ``[reading, decision, load]`` on the trace's clock
+        (``cluster_check.windows_as_loads``)."""
+        from kvserve.fleetsim.cluster_check import windows_as_loads
+        return windows_as_loads(self.windows, capacity, self.trace_wall_s)
 
 
 def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
@@ -297,7 +311,8 @@ class ClusterSimulator:
     the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``
     (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``), its autoscaler reading and
     deciding on ``clock`` (``cluster_check.DecisionClock``; default: the cluster's, given at
-    construction): (the filled log, the serving replica count's steps)."""
+    construction): (the filled log, the serving replica count's steps); ``windows``: a list the
+    autoscaler's closed demand windows are added to (``simulate_autoscaled``)."""
 
     def __init__(self, hw_path: str, args, settings, clock):
         from kvserve.loader.api import default_model_path
@@ -316,7 +331,7 @@ class ClusterSimulator:
 
     def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
                  path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
-                 router_stats: tuple[float, float] | None = None, lead_in=None, clock=None):
+                 router_stats: tuple[float, float] | None = None, lead_in=None, clock=None, windows=None):
         from kvserve.fleetsim.cluster_check import simulate_autoscaled
         cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
         kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
@@ -324,7 +339,7 @@ class ClusterSimulator:
         slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
         return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
                                    self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
-                                   router_stats, lead_in, clock or self.clock)
+                                   router_stats, lead_in, clock or self.clock, windows)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

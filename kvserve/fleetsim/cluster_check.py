@@ -116,12 +116,25 @@ def cluster_decision_clock(windows: list, trace_start_s: float, estimate: Decisi
     return DecisionClock(interval, delay, phase)
 
 
+def _trace_scenario(duration_s: float, settings, clock: DecisionClock, slots: int | None, queue_wait_s: float,
+                    router_stats: tuple[float, float] | None, log_windows: bool) -> Scenario:
+    """The one-model scenario ``simulate_autoscaled`` runs: the cluster's autoscaling settings on
+    ``clock``, its ingress's slots and queue wait, its router's view of the replicas."""
+    return Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),), duration_s=duration_s,
+                    budget_usd_month=0.0, autoscale_interval_s=clock.interval_s, decision_delay_s=clock.delay_s,
+                    autoscale_first_tick_s=clock.first_tick_s(), downscale_window_s=settings.downscale_window_s,
+                    headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
+                    max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",),
+                    router_stats_period_s=router_stats[0] if router_stats else None,
+                    router_stats_delay_s=router_stats[1] if router_stats else 0.0, log_demand_windows=log_windows)
+
+
 def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_tokens: int, kv_tokens: int,
                         settings, start_s: float, path_latency_s: float = 0.0, slots: int | None = None,
                         queue_wait_s: float = float("inf"), host: SharedHost | None = None,
                         router_stats: tuple[float, float] | None = None,
-                        lead_in: tuple[RequestLog, float] | None = None, clock: DecisionClock | None = None
-                        ) -> tuple[RequestLog, list[tuple[float, int]]]:
+                        lead_in: tuple[RequestLog, float] | None = None, clock: DecisionClock | None = None,
+                        windows: list | None = None) -> tuple[RequestLog, list[tuple[float, int]]]:
     """The trace through one simulated hot deployment autoscaled by ``settings`` (the cluster's
     ``AutoscaleSettings``, token mode) whose replicas take ``start_s`` to start: (the filled log,
     the serving replica count's step function). A hot model's first replica serves at time 0, as
@@ -136,14 +149,20 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     the replica stats the router places requests by (``router_view.StaleView``; None: live).
     ``lead_in``: (requests, seconds): requests sent that long before the trace started (the
     cluster's probe), played first and left out of the result, so the autoscaler's first windows
-    hold their load as the cluster's do."""
+    hold their load as the cluster's do. ``windows``: a list to extend with the demand windows the
+    autoscaler closed, ``(read at, decided at, prefill tokens/s, decode tokens/s)`` on the trace's
+    clock (the lead-in's before 0), as the cluster's policy logs them (``autoscaling.log_window``)."""
     if settings.mode != "tokens":
         raise ValueError("the cluster check simulates the token policy")
     if lead_in is not None:
         lead, lead_s = lead_in
+        played_windows = [] if windows is not None else None
         log, steps = simulate_autoscaled(lead.followed_by(trace, lead_s), cost, max_num_seqs, max_batched_tokens,
                                          kv_tokens, settings, start_s, path_latency_s, slots, queue_wait_s, host,
-                                         router_stats, clock=clock and clock.on_clock_from(-lead_s))
+                                         router_stats, clock=clock and clock.on_clock_from(-lead_s),
+                                         windows=played_windows)
+        if windows is not None:
+            windows.extend((read - lead_s, decided - lead_s, p, d) for read, decided, p, d in played_windows)
         played = log.part_from(len(lead), lead_s)
         played.arrival = list(trace.arrival)          # the shift's rounding left out
         return played, shift_steps(steps, lead_s)
@@ -153,18 +172,14 @@ def simulate_autoscaled(trace: RequestLog, cost, max_num_seqs: int, max_batched_
     log = trace.fresh()
     log.arrival = [t + path_latency_s for t in trace.arrival]
     clock = clock or ray_decision_timing(settings.demand_window_s)
-    scenario = Scenario(name="cluster-trace", models=(ModelTraffic(MODEL, "smollm2-135m"),),
-                        duration_s=max(trace.arrival) + 1.0, budget_usd_month=0.0,
-                        autoscale_interval_s=clock.interval_s, decision_delay_s=clock.delay_s,
-                        autoscale_first_tick_s=clock.first_tick_s(),
-                        downscale_window_s=settings.downscale_window_s,
-                        headroom=settings.headroom_factor, max_replicas=settings.max_replicas,
-                        max_queue_wait_s=queue_wait_s, ingress_slots=slots, policies=("tiers_tokens",),
-                        router_stats_period_s=router_stats[0] if router_stats else None,
-                        router_stats_delay_s=router_stats[1] if router_stats else 0.0)
+    scenario = _trace_scenario(max(trace.arrival) + 1.0, settings, clock, slots, queue_wait_s, router_stats,
+                               windows is not None)
     sim = FleetSim(scenario, "tiers_tokens", [sizing], log, {MODEL: ResidencyTier.HOT}, [0.0], [0.0],
                    functools.partial(SchedulerReplica, host=host), host=host)
-    serving = sim.run()["serving"]
+    record = sim.run()
+    if windows is not None:
+        windows.extend(record["windows"][0])
+    serving = record["serving"]
     log.arrival = list(trace.arrival)
     return log, [(t, counts[0]) for t, counts in serving]
 
@@ -262,3 +277,35 @@ def compare_cluster(measured: RequestLog, measured_steps: list[tuple[float, int]
     out["replica_count_mean_abs_diff_over_mean"] = round(
         float(np.abs(counts["simulated"] - counts["measured"]).mean() / counts["measured"].mean()), 3)
     return out
+
+
+def windows_as_loads(windows, capacity, origin_s: float = 0.0) -> list[list[float]]:
+    """Demand windows ``(read at, decided at, prefill tokens/s, decode tokens/s)`` (the cluster's
+    policy's, ``autoscaling.log_window``, or ``simulate_autoscaled``'s) as ``[reading, decision,
+    load]``: seconds from ``origin_s``, the load in replicas (``capacity.load``, before the headroom)."""
+    return [[round(w[0] - origin_s, 2), round(w[1] - origin_s, 2), round(capacity.load(w[2], w[3]), 3)]
+            for w in windows]
+
+
+def compare_windows(measured: list[list[float]], simulated: list[list[float]], threshold: float,
+                    match_s: float = 1.0) -> dict:
+    """The autoscaler's input window by window (``windows_as_loads``): each measured window paired
+    with the simulated one read nearest it, within ``match_s``; over the pairs, the loads' median
+    ratio (simulated / measured), their mean absolute difference in replicas, and the share of
+    pairs on the same side of ``threshold`` (the load past which the policy adds a replica:
+    1 / headroom with one serving)."""
+    pairs = []
+    for reading, _, load in measured:
+        near = min(simulated, key=lambda w: abs(w[0] - reading), default=None)
+        if near is not None and abs(near[0] - reading) <= match_s:
+            pairs.append((load, near[2]))
+    if not pairs:
+        return {"pairs": 0}
+    loads = np.array(pairs)
+    measured_load, simulated_load = loads[:, 0], loads[:, 1]
+    positive = measured_load > 0
+    ratio = float(np.median(simulated_load[positive] / measured_load[positive])) if positive.any() else None
+    same_side = (simulated_load > threshold) == (measured_load > threshold)
+    return {"pairs": len(pairs), "load_ratio_median": None if ratio is None else round(ratio, 3),
+            "load_mean_abs_diff": round(float(np.abs(simulated_load - measured_load).mean()), 3),
+            "same_side_of_threshold": round(float(same_side.mean()), 3)}

@@ -63,7 +63,7 @@ class FleetSim:
                 self._push(0.0, READY, i, name)
             self.deployments.append(dep)
             self.scalers.append(ModelScaler(self.policy, sizing, scenario.headroom, scenario.downscale_window_s,
-                                            scenario.max_replicas, wanted))
+                                            scenario.max_replicas, wanted, scenario.log_demand_windows))
         self.retier_config = RetierConfig(host_cache_bytes=scenario.host_cache_bytes)
         self.timeline: list[tuple[float, dict[str, int]]] = []
         self.serving: list[tuple[float, tuple[int, ...]]] = [(0.0, self._serving())]
@@ -121,7 +121,8 @@ class FleetSim:
         end = max(s.duration_s, max((self.log.finish_s[i] for i in range(len(arrival))), default=0.0))
         for dep in self.deployments:
             dep.account(end)
-        return {"end_s": end, "timeline": self.timeline, "serving": self.serving, "rejected": self.rejected}
+        return {"end_s": end, "timeline": self.timeline, "serving": self.serving, "rejected": self.rejected,
+                "windows": [scaler.windows for scaler in self.scalers]}
 
     def _arrive(self, request: int, now: float) -> None:
         """``request`` is sent at ``now``: routed, or queued (starting a replica if none is)."""

@@ -59,7 +59,7 @@ class ModelScaler:
     """One model's autoscaler in the simulation (the module docstring)."""
 
     def __init__(self, policy: FleetPolicy, sizing: ReplicaSizing, headroom: float, downscale_window_s: float,
-                 max_replicas: int, replicas: int):
+                 max_replicas: int, replicas: int, log_windows: bool = False):
         stabilizer = StabilizerConfig(downscale_window_s=downscale_window_s)
         self.signal = policy.signal
         self.token_policy = TokenPolicy(sizing.capacity, headroom, stabilizer)
@@ -69,6 +69,8 @@ class ModelScaler:
         self.scrape = FleetScrape(0.0)
         self.held: dict[str, float] = {}            # replica -> request-seconds held at the last decision
         self.input = None                           # the last decision's demand (tokens) or ongoing requests
+        # with ``log_windows``: each token window closed, (read at, decided at, prefill tokens/s, decode tokens/s)
+        self.windows: list[tuple[float, float, float, float]] | None = [] if log_windows else None
 
     def decide(self, now: float, tier, active: int, counters: dict, queued: int, read_at: float | None = None) -> int:
         """The replica count for ``now`` from the replicas' counters (name -> (prompt tokens computed,
@@ -81,6 +83,8 @@ class ModelScaler:
             if read_at <= self.scrape.time_s:
                 return active
             self.input = token_demand(self.scrape, scrape)
+            if self.windows is not None:
+                self.windows.append((read_at, now, self.input.prefill_tokens_per_s, self.input.decode_tokens_per_s))
         else:
             self.input = self._mean_ongoing(read_at, counters, queued)
         self.scrape = scrape

@@ -85,6 +85,7 @@ class Scenario:
     autoscale_interval_s: float = 10.0
     decision_delay_s: float = 0.0        # a scale decision reads the replicas this much earlier (metrics' age)
     autoscale_first_tick_s: float | None = None   # the first reading (None: one interval in)
+    log_demand_windows: bool = False     # keep every token window the scalers close (FleetSim.run()["windows"])
     downscale_window_s: float = 300.0
     headroom: float = 1.25
     max_queue_wait_s: float = 120.0      # a request for a model with no replica waits at most this

@@ -13,8 +13,8 @@ import pytest
 from kvserve.autoscale.capacity import ReplicaCapacity
 from kvserve.autoscale.tiers import ResidencyTier
 from kvserve.cluster.autoscaling import AutoscaleSettings
-from kvserve.fleetsim.cluster_check import (DecisionClock, cluster_decision_clock, phased_trace,
-                                            ray_decision_timing, shift_steps, simulate_autoscaled)
+from kvserve.fleetsim.cluster_check import (DecisionClock, cluster_decision_clock, compare_windows, phased_trace,
+                                            ray_decision_timing, shift_steps, simulate_autoscaled, windows_as_loads)
 from kvserve.fleetsim.log import RequestLog
 from kvserve.fleetsim.scaling import POLICIES, ModelScaler
 from kvserve.fleetsim.sizing import ColdStartLayers, ReplicaSizing
@@ -142,3 +142,40 @@ def test_the_windows_phase_moves_the_scale_up_with_it():
     _, probe_steps = _simulate(trace, lead_in=(RequestLog([0.0], [0], [0], [64], [8]), 7.0),
                                clock=DecisionClock(6.0, 1.5, 4.0))
     assert _ups(probe_steps)[0] == pytest.approx(ups[4.0])          # the phase is the trace's, lead-in or not
+
+
+def test_the_simulated_autoscaler_logs_its_windows_on_the_clock_and_the_trace_after_a_lead_in():
+    clock = DecisionClock(6.0, 1.9, -12.4)
+    trace = phased_trace([(20.0, 0.5), (20.0, 6.0)], 128, 24, seed=0)
+    probe = phased_trace([(10.0, 1.0)], 128, 24, seed=1)
+    windows: list = []
+    _, steps = simulate_autoscaled(trace, COST, 4, 1024, 100_000, SETTINGS, START_S, lead_in=(probe, 14.0),
+                                   clock=clock, windows=windows)
+    readings = np.array([w[0] for w in windows])
+    assert readings.min() < 0 < readings.max()                    # the lead-in's windows, then the trace's
+    on_grid = (readings - clock.phase_s) / clock.interval_s       # whole intervals from the clock's phase
+    assert np.allclose(on_grid, np.round(on_grid), atol=1e-6), readings
+    assert all(decided - read == pytest.approx(clock.delay_s) for read, decided, _, _ in windows)
+    busy = [w for w in windows if w[0] > 25.0]
+    assert busy and all(p > 0 and d > 0 for _, _, p, d in busy)   # the busy phase's tokens were counted
+    again: list = []
+    simulate_autoscaled(trace, COST, 4, 1024, 100_000, SETTINGS, START_S, lead_in=(probe, 14.0), clock=clock,
+                        windows=again)
+    assert again == windows                                        # deterministic
+    assert _scaler().windows is None                               # a fleet's scalers keep none by default
+
+
+def test_windows_compare_by_reading_load_and_side_of_the_threshold():
+    measured = [[0.0, 1.9, 0.4], [6.0, 7.9, 0.8], [12.0, 13.9, 0.5], [18.0, 19.9, 0.0]]
+    simulated = [[0.1, 2.0, 0.5], [6.2, 8.1, 0.6], [18.4, 20.3, 0.1], [30.0, 31.9, 0.9]]
+    out = compare_windows(measured, simulated, threshold=2 / 3, match_s=0.5)
+    assert out["pairs"] == 3                                       # 12.0 has no simulated reading near it
+    assert out["load_ratio_median"] == pytest.approx(1.0)          # 0.5 / 0.4, 0.6 / 0.8: the zero load left out
+    assert out["load_mean_abs_diff"] == pytest.approx((0.1 + 0.2 + 0.1) / 3, abs=1e-3)
+    assert out["same_side_of_threshold"] == pytest.approx(2 / 3, abs=1e-3)   # 0.8 over it, 0.6 under
+    assert compare_windows(measured, [], 0.5) == {"pairs": 0}
+
+
+def test_windows_as_loads_puts_them_on_a_clock_in_replicas():
+    capacity = ReplicaCapacity(1000.0, 100.0)
+    assert windows_as_loads([(105.0, 107.0, 500.0, 25.0)], capacity, origin_s=100.0) == [[5.0, 7.0, 0.75]]
