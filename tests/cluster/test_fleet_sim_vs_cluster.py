@@ -25,9 +25,12 @@ Ray Serve delivers them to the cluster's router, as old as the ingress measured
 (``fleetsim/router_view.py``). The simulator
 plays the probe before the trace, as the cluster took it, so the autoscaler's first windows hold
 its load; reads and decides on the cluster's own clock: the spacing, phase and age of the readings
-its policy closed its demand windows on (``decision_clock``, from ``cluster_windows``); and slows
-every step by the host's drift over the run, read by a small fixed workload beside the cluster
-(``fleetsim/host_meter.py``). The fit is checked to be sane (slowdowns of at most 1.5x, at most
+its policy closed its demand windows on (``decision_clock``, from ``cluster_windows``). The host's
+drift over the run, read by a small fixed workload beside the cluster (``fleetsim/host_meter.py``),
+is reported, not applied: over nine runs it doubled the simulator's error. The autoscaler's input
+is compared window by window (``window_loads``: the simulated windows read at the cluster's
+moments; three runs: the loads' median ratio 1.00, 0.03-0.04 replicas apart on the mean, on the
+same side of the scale-up threshold in 89-95% of the windows). The fit is checked to be sane (slowdowns of at most 1.5x, at most
 20 ms per sequence, a path of at most 0.2 s, the stream's TPOT reproduced, a plane of under 20 ms
 per token, a start's cores within the host's, a contention of 0.9-1.5x measured on pinned cores).
 
@@ -72,7 +75,8 @@ def _within_bands(result: dict) -> bool:
     """The latencies and the replica count within the bands the test holds them to."""
     return (0.6 <= result["ratio"]["p50_ttft_s"] <= 1.4 and 0.25 <= result["ratio"]["p99_ttft_s"] <= 1.5
             and 0.8 <= result["ratio"]["replica_seconds"] <= 1.2
-            and result["replica_count_mean_abs_diff_over_mean"] <= 0.2)
+            and result["replica_count_mean_abs_diff_over_mean"] <= 0.2
+            and result["window_loads"].get("same_side_of_threshold", 0.0) >= 0.75)
 
 
 def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
@@ -107,6 +111,9 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     assert 5.5 <= clock["interval_s"] <= 6.5 and clock["delay_s"] == pytest.approx(
         result["decision_sample_age_s"], abs=0.5), clock
     assert result["host_drift"]["readings"] >= 60 and result["probe_lead_s"] > 0.0, result
+    windows = result["window_loads"]                  # the autoscaler's input, window by window
+    assert windows["pairs"] >= 10 and windows["load_mean_abs_diff"] <= 0.15, windows
+    assert windows["same_side_of_threshold"] >= 0.75, windows
     assert 0.8 <= result["ratio"]["replica_seconds"] <= 1.2, result
     assert result["replica_count_mean_abs_diff_over_mean"] <= 0.2, result
     assert 0.6 <= result["ratio"]["p50_ttft_s"] <= 1.4, result
