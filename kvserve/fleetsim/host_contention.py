@@ -19,7 +19,8 @@ series differed by up to 9%. Where the process may run on one core only, nothing
 the two engines share it (``pinned`` says so).
 
 On this host (AMD EPYC with AVX-512, two cores, the default model in bf16, batch 4 of 128 + 24
-tokens) one engine beside another took 1.01-1.05x the CPU time per run over five probes.
+tokens) one engine beside another took 1.01-1.05x the CPU time per run in five probes on their
+own, 0.99-1.05x in fifteen runs of the cluster check (``benchmarks/fleet_sim_cluster.py``).
 """
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ CYCLES = 4                  # rounds of runs alone and beside the neighbour, in 
 
 @dataclass(frozen=True)
 class Contention:
-    """The timed runs' CPU seconds: ``alone_s`` (before and after the neighbour), ``beside_s``."""
+    """The timed runs' CPU seconds: ``alone_s`` (the neighbour stopped), ``beside_s`` (stepping),
+    and whether the two were ``pinned`` to cores of their own."""
 
     alone_s: tuple[float, ...]
     beside_s: tuple[float, ...]
@@ -139,13 +141,25 @@ def measure_here(runs: int, threads: int, workload: tuple[int, int, int], cycles
     return Contention(tuple(alone), tuple(beside), pinned)
 
 
+def _die_with_parent() -> None:
+    """Ask Linux to kill this process when its parent ends (``PR_SET_PDEATHSIG``): a neighbour
+    left stopped by a measurement that was killed would hold its engine's memory forever."""
+    try:
+        import ctypes
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))      # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass                                   # not Linux: the parent check below still ends it
+
+
 def neighbour_loop(threads: int, workload: tuple[int, int, int], core: int | None) -> None:
-    """Load the engine, print ``READY``, run ``workload`` until killed."""
+    """Load the engine, print ``READY``, run ``workload`` until killed or orphaned."""
+    parent = os.getppid()
+    _die_with_parent()
     if core is not None:
         os.sched_setaffinity(0, {core})
     run = _engine(threads, workload)
     print(READY, flush=True)
-    while True:
+    while os.getppid() == parent:
         run()
 
 

@@ -30,3 +30,23 @@ def test_the_probe_times_the_engine_alone_and_beside_a_neighbour_in_turn():
     assert 0.5 < contention.factor < 3.0, contention
     assert os.sched_getaffinity(0) == before          # the pinning stayed in the subprocess
     assert not _neighbours()                          # the neighbour was stopped with the probe
+
+
+def test_a_neighbour_ends_with_the_measurement_that_started_it():
+    import subprocess
+    import sys
+    import time
+    measurer = subprocess.Popen([sys.executable, "-m", "kvserve.fleetsim.host_contention", "--runs", "50",
+                                 "--workload", "2,16,8"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+
+    def stopped() -> list[psutil.Process]:
+        return [p for p in _neighbours() if p.status() == psutil.STATUS_STOPPED]
+    while not stopped() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    neighbours = stopped()
+    assert neighbours, "the neighbour was never stopped for the runs alone"
+    measurer.kill()                                   # killed mid-way (a timeout), its neighbour stopped
+    measurer.wait()
+    gone, alive = psutil.wait_procs(neighbours, timeout=30)
+    assert not alive, alive
