@@ -35,12 +35,11 @@
    cluster by ``fleetsim/host_meter.py`` and reported, but steps are not slowed by it: over
    fifteen runs it made every figure worse (TTFT p99's mean |log ratio| 0.35 against 0.23; the
    meter reads our own engines' memory traffic with the host's; docs/fleet_simulator.md).
-   Beside it, the same with one part changed (``profile_alone``: on the bare profile; ``cores_unshared``: the probe's fit
-   without the shared cores; ``starts_cost_no_cpu``: shared cores, the starts left out;
-   ``memory_contention_off``: the busy engines share the cores only;
+   Beside it, the same with one part changed (``profile_alone``: on the bare profile;
+   ``cores_unshared``: the probe's fit without the shared cores; ``starts_cost_no_cpu``: shared
+   cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
-   step slowed by the metered drift;
-   ``probe_not_played``; ``decision_clock_estimated``: ``ray_decision_timing``'s clock;
+   step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``: ``ray_decision_timing``'s clock;
    ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe).
 
@@ -53,7 +52,8 @@ their mean absolute difference over the mean), measured and simulated, with the 
 demand windows the cluster's policy closed and the simulator's (``cluster_windows``,
 ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
 read at the same moment, the loads' median ratio, mean absolute difference and the share on the
-same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With ``--runs K``: each run's object
+same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With
+``--runs K``: each run's object
 under ``runs`` and, under ``pooled``, the latencies over all the runs' requests together
 (``cluster_check.pooled_latency``).
 """

@@ -68,13 +68,17 @@ def measure_contention(runs: int = 2, threads: int = 1, workload: tuple[int, int
                        timeout_s: float = 300.0) -> Contention:
     """Measure in a subprocess (the module docstring), so that this process's own threads and
     core affinity stay as they were."""
-    batch, prompt, output = workload
-    done = subprocess.run([sys.executable, "-m", "kvserve.fleetsim.host_contention", "--runs", str(runs),
-                           "--threads", str(threads), "--workload", f"{batch},{prompt},{output}"],
-                          capture_output=True, text=True, timeout=timeout_s, env=_one_thread_env(threads))
+    done = subprocess.run(_command(threads, workload, "--runs", str(runs)), capture_output=True, text=True,
+                          timeout=timeout_s, env=_one_thread_env(threads))
     if done.returncode != 0:
         raise RuntimeError(f"the contention probe failed: {done.stderr[-2000:]}")
     return Contention.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def _command(threads: int, workload: tuple[int, int, int], *extra: str) -> list[str]:
+    """This module's command line for ``threads`` and ``workload``, then ``extra``."""
+    return [sys.executable, "-m", "kvserve.fleetsim.host_contention", "--threads", str(threads),
+            "--workload", ",".join(map(str, workload)), *extra]
 
 
 def _one_thread_env(threads: int) -> dict:
@@ -107,9 +111,7 @@ def _cpu_seconds(run, runs: int) -> list[float]:
 def _start_neighbour(threads: int, workload: tuple[int, int, int], core: int | None,
                      timeout_s: float = 120.0) -> subprocess.Popen:
     """The neighbour process, once it printed ``READY``."""
-    batch, prompt, output = workload
-    command = [sys.executable, "-m", "kvserve.fleetsim.host_contention", "--neighbour", "--threads", str(threads),
-               "--workload", f"{batch},{prompt},{output}"] + (["--core", str(core)] if core is not None else [])
+    command = _command(threads, workload, "--neighbour", *(["--core", str(core)] if core is not None else []))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_one_thread_env(threads))
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     if not ready or process.stdout.readline().strip() != READY:

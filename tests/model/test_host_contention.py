@@ -3,6 +3,9 @@ subprocess, times the engine alone and beside a neighbour in turn, and leaves no
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 
 import psutil
 import pytest
@@ -33,9 +36,6 @@ def test_the_probe_times_the_engine_alone_and_beside_a_neighbour_in_turn():
 
 
 def test_a_neighbour_ends_with_the_measurement_that_started_it():
-    import subprocess
-    import sys
-    import time
     measurer = subprocess.Popen([sys.executable, "-m", "kvserve.fleetsim.host_contention", "--runs", "50",
                                  "--workload", "2,16,8"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline = time.monotonic() + 120
