@@ -8,7 +8,7 @@ does. The router writes its decision into the request's ``route`` when it routes
 (``ray_router.py``), so "no decision yet" means "still queued, no replica took it": past
 ``wait_s`` the ingress cancels the request (Ray drops it from the handle's queue) and answers
 503 with ``Retry-After``. Once routed, the answer takes as long as it takes (a long generation
-is not a cold start)."""
+is not a cold start), as long as the replica says it works on it (``keepalive.py``)."""
 from __future__ import annotations
 
 import asyncio
@@ -16,6 +16,8 @@ import math
 import time
 
 from starlette.responses import JSONResponse
+
+from kvserve.cluster.keepalive import IDLE_S, ReplyLost, is_keepalive, wait_cancelling
 
 POLL_S = 0.1                 # how often a queued request checks whether it was routed
 RETRY_AFTER_S = 10           # a replica start on this machine: ~20-45 s; clients retry sooner
@@ -29,22 +31,38 @@ class NotRouted(Exception):
         self.waited_s = waited_s
 
 
-async def first_item(stream, route: dict, wait_s: float | None):
-    """The stream's first item (the replica's head). With ``wait_s``, raises ``NotRouted``
-    (after cancelling the request) when the router has not routed it within ``wait_s``."""
-    if wait_s is None:
-        return await stream.__anext__()
+async def first_item(stream, route: dict, wait_s: float | None, idle_s: float = IDLE_S):
+    """The stream's first item that is not a keep-alive (the replica's head). With ``wait_s``,
+    raises ``NotRouted`` (after cancelling the request) when the router has not routed it
+    within ``wait_s``; once routed, raises ``ReplyLost`` (cancelled too) after ``idle_s``
+    without a word from the replica (``keepalive.py``)."""
+    deadline = None if wait_s is None else time.monotonic() + wait_s
+    heard = None                        # when the router routed it, or the replica last spoke
     head = asyncio.ensure_future(stream.__anext__())
-    deadline = time.monotonic() + wait_s
-    while "decision" not in route:
-        done, _ = await asyncio.wait({head}, timeout=POLL_S)
+    while True:
+        timeout = POLL_S if heard is None else max(0.0, heard + idle_s - time.monotonic())
+        done, _ = await wait_cancelling({head}, timeout)
+        now = time.monotonic()
         if done:
-            return head.result()
-        if time.monotonic() >= deadline:
-            head.cancel()
-            stream.cancel()
-            raise NotRouted(wait_s)
-    return await head
+            item = head.result()
+            if not is_keepalive(item):
+                return item
+            heard = now
+            head = asyncio.ensure_future(stream.__anext__())
+        elif "decision" not in route:
+            if deadline is not None and now >= deadline:
+                _give_up(head, stream)
+                raise NotRouted(wait_s)
+        elif heard is None:
+            heard = now
+        elif now - heard >= idle_s:
+            _give_up(head, stream)
+            raise ReplyLost(idle_s)
+
+
+def _give_up(head: asyncio.Future, stream) -> None:
+    head.cancel()
+    stream.cancel()
 
 
 def not_routed_response(exc: NotRouted, deployment: str) -> JSONResponse:

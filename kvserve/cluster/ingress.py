@@ -10,7 +10,9 @@ everything else (auth, its own limits as a backstop, validation, errors, metrics
 
 Faults: a replica that fails before its first byte is retried once (the router then sees
 its death or avoids it); one that fails mid-stream ends an SSE stream with an error event
-and ``[DONE]`` (a non-streamed body is cut: the client sees a broken response). Each failure
+and ``[DONE]`` (a non-streamed body is cut: the client sees a broken response). A routed
+request's replica says every 2 s that it still works on it; 30 s of silence counts as a
+failure at that point (``keepalive.py``: a lost reply is retried, not waited for forever). Each failure
 counts against the replica's circuit breaker (``breaker.py``), and so do 5xx answers and a
 replica reporting an unhealthy engine (which opens it at once); while a breaker is not
 closed the router skips that replica, and once ``open_s`` passed the ingress sends it one
@@ -40,6 +42,7 @@ from kvserve.cluster.admission import ClassQueue, QueueTimeout
 from kvserve.cluster.assign_wait import NotRouted, first_item, not_routed_response
 from kvserve.cluster import serve_status
 from kvserve.cluster.breaker import ReplicaBreakers
+from kvserve.cluster.keepalive import ReplyLost, items, next_item
 from kvserve.cluster.degrade import HEADER, DegradationController
 from kvserve.cluster.ladder import LadderSettings
 from kvserve.cluster.limits import FleetLimits, UsageTail
@@ -258,7 +261,8 @@ class Ingress:
                 logger.warning("%s replica %s failed before the first byte (attempt %d): %r", pool.name, failed,
                                attempt, exc)
                 if failed:
-                    self._replica_failed(pool, failed, "before_first_byte")
+                    self._replica_failed(pool, failed, "reply_lost" if isinstance(exc, ReplyLost)
+                                         else "before_first_byte")
                     route = {**route, "avoid": [*route.get("avoid", ()), failed]}
                 if attempt == 1:
                     self.metrics.retries.inc()
@@ -306,7 +310,7 @@ class Ingress:
         """The replica's body chunks; ``on_first`` after the first; ``end`` (an ``_Ending``)
         sees every chunk's end of the body and runs once it ends (however it ends)."""
         try:
-            async for chunk in stream:
+            async for chunk in items(stream):             # a silent replica raises ReplyLost (keepalive.py)
                 if on_first is not None:
                     on_first()
                     on_first = None
@@ -332,8 +336,8 @@ class Ingress:
 
         async def exchange():
             stream = pool.deployment.handle.remote("GET", path, query, headers, b"", route=route)
-            head = await stream.__anext__()
-            return head, b"".join([chunk async for chunk in stream])
+            head = await next_item(stream)
+            return head, b"".join([chunk async for chunk in items(stream)])
         head, body = await asyncio.wait_for(exchange(), SCRAPE_TIMEOUT_S)
         self._observe_decision(pool, route, None)
         return head, body, route.get("decision") or {}

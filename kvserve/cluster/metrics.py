@@ -122,7 +122,7 @@ class ClusterMetrics:
                                   "Requests answered 503 because no replica took them within --cold-start-wait-s.")
         self.failures = Counter("kvserve_replica_failures_total",
                                 "Replica failures the ingress saw, by replica and stage (before_first_byte, "
-                                "status_5xx, mid_stream, probe).")
+                                "reply_lost, status_5xx, mid_stream, probe).")
         self.breaker_state = Gauge("kvserve_replica_breaker_state",
                                    "1 for each replica's circuit breaker state (closed, half_open, open).",
                                    additive=False)

@@ -9,6 +9,7 @@ import time
 from typing import AsyncIterator
 
 from kvserve.cluster.asgi_bridge import exchange
+from kvserve.cluster.keepalive import is_keepalive, with_keepalives
 
 logger = logging.getLogger("kvserve.cluster")
 
@@ -41,12 +42,13 @@ class EngineReplica:
     async def handle(self, method: str, path: str, query: str, headers: list[tuple[str, str]], body: bytes,
                      route: dict | None = None) -> AsyncIterator:
         """One HTTP exchange through this replica's app: ``{"status", "headers", "replica"}``
-        first, then body chunks. ``route`` is what the router read; the replica ignores it."""
+        first, then body chunks, with keep-alives before and between them while the app is
+        silent (``keepalive.py``). ``route`` is what the router read; the replica ignores it."""
         if self.server.ctx.state.engine_dead:        # fail before the first byte: the ingress retries elsewhere
             raise ReplicaUnavailable(self.replica_id)
         first = True
-        async for item in exchange(self.app, method, path, query, headers, body):
-            if first:
+        async for item in with_keepalives(exchange(self.app, method, path, query, headers, body)):
+            if first and not is_keepalive(item):
                 item["replica"] = self.replica_id
                 first = False
             yield item
