@@ -14,9 +14,9 @@ import time
 
 import httpx
 import openai
-import psutil
 import pytest
 
+from benchmarks.cluster_processes import busiest, engine_processes
 from benchmarks.server_process import ServerProcess
 from kvserve.cluster.ray_runtime import ray_listen_addresses
 from kvserve.server.metrics import parse_metrics
@@ -196,30 +196,6 @@ def test_the_ladder_sheds_batch_requests_only(cluster):
     assert interactive.status_code == 200
 
 
-def _engine_processes() -> list[psutil.Process]:
-    """The live engine processes of the cluster's replicas (children of Serve replica actors); a
-    killed engine its replica has not reaped yet (a zombie) or one gone meanwhile is not one."""
-    engines = []
-    for proc in psutil.process_iter(["name"]):
-        if (proc.info["name"] or "").startswith("ray::ServeRepl"):
-            engines += [c for c in _children(proc) if _is_engine(c)]
-    return engines
-
-
-def _children(proc: psutil.Process) -> list[psutil.Process]:
-    try:
-        return proc.children()
-    except psutil.Error:                        # the actor ended meanwhile
-        return []
-
-
-def _is_engine(proc: psutil.Process) -> bool:
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE and "kvserve.ipc.engine_proc" in " ".join(proc.cmdline())
-    except psutil.Error:                        # a zombie's cmdline, or gone meanwhile
-        return False
-
-
 def _stream(cluster, i: int, lines: list) -> None:
     """One long streamed chat; its ``data:`` lines are appended to ``lines`` as they arrive."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": f"Count from one to a hundred, {i}."}],
@@ -230,17 +206,8 @@ def _stream(cluster, i: int, lines: list) -> None:
                 lines.append(line)
 
 
-def _busiest(engines: list[psutil.Process], window_s: float = 1.0) -> psutil.Process:
-    """The engine process that used the most CPU over ``window_s``: one serving streams, which
-    the router may have put all on one replica."""
-    for engine in engines:
-        engine.cpu_percent(None)
-    time.sleep(window_s)
-    return max(engines, key=lambda engine: engine.cpu_percent(None))
-
-
 def test_an_engine_killed_mid_run(cluster):
-    engines = _engine_processes()
+    engines = engine_processes()
     assert len(engines) == 2
     results: list[list[str]] = [[] for _ in range(4)]
     threads = [threading.Thread(target=_stream, args=(cluster, i, results[i])) for i in range(4)]
@@ -249,7 +216,7 @@ def test_an_engine_killed_mid_run(cluster):
     deadline = time.monotonic() + 120
     while not all(len(lines) >= 2 for lines in results) and time.monotonic() < deadline:
         time.sleep(0.05)                             # every stream has its first tokens: all are mid-run
-    os.kill(_busiest(engines).pid, signal.SIGKILL)
+    os.kill(busiest(engines).pid, signal.SIGKILL)
     for t in threads:
         t.join(timeout=200)
     assert not any(t.is_alive() for t in threads)                              # nothing hangs
@@ -262,7 +229,7 @@ def test_an_engine_killed_mid_run(cluster):
     assert scrape.status_code == 200 and "kvserve_cluster_replicas{" in scrape.text
     deadline = time.monotonic() + 240
     while time.monotonic() < deadline:               # Ray Serve restarts the replica; it takes traffic again
-        if len(_engine_processes()) == 2 and len(set(_cold_replicas(cluster, 4))) == 2:
+        if len(engine_processes()) == 2 and len(set(_cold_replicas(cluster, 4))) == 2:
             return
         time.sleep(5)
     pytest.fail("the replica did not rejoin")
