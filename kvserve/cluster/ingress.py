@@ -258,6 +258,8 @@ class Ingress:
             except Exception as exc:     # the replica died or failed before its first byte
                 failed = self._observe_decision(pool, sent, generation) or \
                     getattr(getattr(exc, "cause", None), "replica_id", None)
+                if isinstance(exc, ReplyLost) and not sent.get("accepted"):
+                    failed = None        # no replica accepted it (all full, or the reply lost): none to blame
                 logger.warning("%s replica %s failed before the first byte (attempt %d): %r", pool.name, failed,
                                attempt, exc)
                 if failed:

@@ -107,6 +107,14 @@ class KVServeRequestRouter(RequestRouter):
         rest = [r for r in candidate_replicas if r is not chosen and r.replica_id.unique_id in routable]
         return [[chosen], rest] if rest else [[chosen]]
 
+    def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        """Ray Serve calls this once the replica accepted the request (its first reply, the
+        queue-length answer): marked in the request's ``route`` (``route["accepted"]``), so the
+        ingress blames a silent reply on the replica only once it had the request (``keepalive.py``)."""
+        route = pending_request.kwargs.get("route") if pending_request is not None else None
+        if isinstance(route, dict):
+            route["accepted"] = True
+
     def _decide(self, states: List[ReplicaState], route: dict) -> Decision | None:
         """The pinned replica if it runs, else the policy's choice; None when no replica is routable."""
         pinned = route.get("replica")

@@ -1,7 +1,8 @@
 """The cluster tier: `kvserve cluster serve` with 2 replicas on a local Ray Serve (127.0.0.1
 only), through the OpenAI SDK: the same answers as the single server, streamed and not; a
 conversation stays on the replica holding its prefix, a LoRA adapter's too, and the adapter's
-unrelated requests go where it sits in a slot; cold requests spread; under pressure
+unrelated requests go where it sits in a slot; cold requests spread; a non-streamed answer
+longer than the replicas' keep-alive beat comes back whole; under pressure
 the degradation ladder sheds batch requests only; the ingress's /metrics carries each
 replica's series with a ``replica`` label, their sums and the router's decisions; an engine
 killed mid-run ends its streams cleanly, later requests go elsewhere, and the replica rejoins."""
@@ -18,6 +19,7 @@ import pytest
 
 from benchmarks.cluster_processes import busiest, engine_processes
 from benchmarks.server_process import ServerProcess
+from kvserve.cluster.keepalive import BEAT_S
 from kvserve.cluster.ray_runtime import ray_listen_addresses
 from kvserve.server.metrics import parse_metrics
 
@@ -147,6 +149,19 @@ def _serve_on_both(cluster, attempts: int = 5) -> None:
 
 def test_cold_requests_spread(cluster):
     assert len(set(_cold_replicas(cluster, 4))) == 2
+
+
+def test_a_non_streamed_answer_longer_than_a_beat_comes_back_whole(cluster):
+    """Its head comes only when its generation is done: the replica sends keep-alives meanwhile
+    (cluster/keepalive.py), which the ingress skips; the answer is the replica's, whole."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Keep-alive test: tell a long story."}],
+            "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+    started = time.monotonic()
+    r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=120)
+    took_s = time.monotonic() - started
+    assert r.status_code == 200 and r.headers["x-kvserve-replica"], r.text
+    assert r.json()["usage"]["completion_tokens"] == 160
+    assert took_s > BEAT_S, f"{took_s:.2f} s: too short to have sent a keep-alive"
 
 
 def _replica_label(sample: str) -> str:

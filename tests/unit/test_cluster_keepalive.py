@@ -128,3 +128,18 @@ def test_a_caller_that_is_cancelled_cancels_the_pending_item():
         await asyncio.sleep(0)
         return pending[0].cancelled()
     assert asyncio.run(leave())
+
+
+def test_the_router_marks_a_request_its_replica_accepted():
+    """Ray Serve calls ``on_request_routed`` once the replica accepted the request; the mark
+    lands in the ingress's own ``route`` dict, so a silent reply is blamed on the replica only
+    then (before it, every replica may just be full)."""
+    pytest.importorskip("ray.serve")
+    from types import SimpleNamespace
+
+    from kvserve.cluster.ray_router import KVServeRequestRouter
+    router = object.__new__(KVServeRequestRouter)        # Ray builds it; this method reads no state
+    route = {"decision": {"replica": "a"}}
+    router.on_request_routed(SimpleNamespace(kwargs={"route": route}), "a", None)
+    assert route["accepted"] is True
+    router.on_request_routed(SimpleNamespace(kwargs={}), "a", None)     # no route: nothing to mark
