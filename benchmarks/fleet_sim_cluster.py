@@ -44,7 +44,7 @@
    into the probe).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
-        [--seed N] [--runs K]
+        [--seed N] [--runs K] [--repeat-cluster]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
@@ -55,7 +55,10 @@ read at the same moment, the loads' median ratio, mean absolute difference and t
 same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With
 ``--runs K``: each run's object
 under ``runs`` and, under ``pooled``, the latencies over all the runs' requests together
-(``cluster_check.pooled_latency``).
+(``cluster_check.pooled_latency``). With ``--repeat-cluster`` a second cluster plays each run's
+probe and trace again and is compared with the first as the simulator is (``cluster_repeat``:
+its figures and the ratios second / first; ``pooled_cluster_repeat`` over the runs): how well
+the cluster reproduces itself, a floor under any simulator's agreement with it.
 """
 from __future__ import annotations
 
@@ -125,10 +128,11 @@ def load_rates(settings, phases: list[tuple[float, float]]) -> list[tuple[float,
 
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
-          downscale_window_s: float = 20.0, seed: int = 0) -> tuple[dict, object, object]:
+          downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False) -> tuple[dict, object, object]:
     """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
     turns into rates, simulate both, compare (the module docstring): (the comparison, the
-    measured log, the simulated log)."""
+    measured log, the simulated log). With ``repeat``, a second cluster plays the same probe
+    and trace, compared with the first as the simulator is (``cluster_repeat``)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
@@ -160,14 +164,9 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     result = compare(simulated, sim_steps)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        ("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
-        ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(simulate.clock, phase_s=None))),
-        ("cores_unshared", on_fit(None)),
-        ("memory_contention_off", on_fit(host(start_cores, contention=1.0))),
-        ("starts_cost_no_cpu", on_fit(host())),
-        ("host_drift_metered", on_fit(host(start_cores, run.drift))),
-        ("router_view_live", on_fit(host(start_cores), router_stats=None)),
-        ("probe_not_played", on_fit(host(start_cores), lead_in=None)))}
+        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated))}
+    again = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed,
+                            threads=args.threads, batch=args.max_num_seqs) if repeat else None
     return {"load_phases": [list(p) for p in phases],
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
             "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
@@ -182,8 +181,29 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
             "probe_lead_s": round(lead_in[1], 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
-            **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
-        run.measured, simulated
+            **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
+            **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
+        run.measured, simulated, again.measured if again else None
+
+
+def repeat_record(compared: dict) -> dict:
+    """A second cluster on the same trace against the first (``compare_cluster`` with the second
+    in the simulator's place): its figures and the ratios second / first."""
+    return {"measured_again": compared["simulated"], "ratio": compared["ratio"],
+            "replica_count_mean_abs_diff_over_mean": compared["replica_count_mean_abs_diff_over_mean"]}
+
+
+def one_part_changed(on_fit, host, start_cores: float, drift, clock, estimated) -> list[tuple[str, tuple]]:
+    """The simulation on the probe's fit with one part changed (the module docstring's list):
+    (name, the simulated log and steps)."""
+    return [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
+            ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(clock, phase_s=None))),
+            ("cores_unshared", on_fit(None)),
+            ("memory_contention_off", on_fit(host(start_cores, contention=1.0))),
+            ("starts_cost_no_cpu", on_fit(host())),
+            ("host_drift_metered", on_fit(host(start_cores, drift))),
+            ("router_view_live", on_fit(host(start_cores), router_stats=None)),
+            ("probe_not_played", on_fit(host(start_cores), lead_in=None))]
 
 
 def window_record(measured: list, simulated: list, headroom: float) -> dict:
@@ -362,17 +382,25 @@ def main() -> None:
                              "a profile each, and pool their requests' latencies (one run's p99 is its slowest "
                              "one or two requests)")
     parser.add_argument("--dump", default=None, help="pickle both request logs' arrays here (each run's)")
+    parser.add_argument("--repeat-cluster", action="store_true",
+                        help="play each run's probe and trace on a second cluster too, compared with the first "
+                             "as the simulator is (cluster_repeat: how well the cluster reproduces itself)")
     args = parser.parse_args()
-    runs = [check(args.hardware or profile(), args.phases, seed=args.seed + k) for k in range(args.runs)]
+    runs = [check(args.hardware or profile(), args.phases, seed=args.seed + k, repeat=args.repeat_cluster)
+            for k in range(args.runs)]
     if args.dump:
         with open(args.dump, "wb") as f:
-            pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r} for r, m, s in runs], f)
+            pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r,
+                          "measured_again": a.arrays() if a else None} for r, m, s, a in runs], f)
     if args.runs == 1:
         print(json.dumps(runs[0][0], indent=1))
         return
     from kvserve.fleetsim.cluster_check import pooled_latency
-    print(json.dumps({"runs": [r for r, _, _ in runs], "seeds": [args.seed + k for k in range(args.runs)],
-                      "pooled": pooled_latency([m for _, m, _ in runs], [s for _, _, s in runs])}, indent=1))
+    pooled = {"pooled": pooled_latency([m for _, m, _, _ in runs], [s for _, _, s, _ in runs])}
+    if args.repeat_cluster:                  # the second clusters in the simulator's place: second / first
+        pooled["pooled_cluster_repeat"] = pooled_latency([m for _, m, _, _ in runs], [a for *_, a in runs])
+    print(json.dumps({"runs": [r for r, *_ in runs], "seeds": [args.seed + k for k in range(args.runs)], **pooled},
+                     indent=1))
 
 
 if __name__ == "__main__":
