@@ -155,12 +155,12 @@ def test_a_non_streamed_answer_longer_than_a_beat_comes_back_whole(cluster):
     """Its head comes only when its generation is done: the replica sends keep-alives meanwhile
     (cluster/keepalive.py), which the ingress skips; the answer is the replica's, whole."""
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Keep-alive test: tell a long story."}],
-            "max_tokens": 160, "temperature": 0, "ignore_eos": True}
+            "max_tokens": 256, "temperature": 0, "ignore_eos": True}
     started = time.monotonic()
     r = httpx.post(cluster.base_url + "/chat/completions", json=body, timeout=120)
     took_s = time.monotonic() - started
     assert r.status_code == 200 and r.headers["x-kvserve-replica"], r.text
-    assert r.json()["usage"]["completion_tokens"] == 160
+    assert r.json()["usage"]["completion_tokens"] == 256
     assert took_s > BEAT_S, f"{took_s:.2f} s: too short to have sent a keep-alive"
 
 
