@@ -39,8 +39,8 @@
    ``cores_unshared``: the probe's fit without the shared cores; ``starts_cost_no_cpu``: shared
    cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
-   step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``: ``ray_decision_timing``'s clock;
-   ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
+   step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``:
+   ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
@@ -53,8 +53,8 @@ demand windows the cluster's policy closed and the simulator's (``cluster_window
 ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
 read at the same moment, the loads' median ratio, mean absolute difference and the share on the
 same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With
-``--runs K``: each run's object
-under ``runs`` and, under ``pooled``, the latencies over all the runs' requests together
+``--runs K``: each run's object under ``runs`` and, under ``pooled``, the latencies over all the
+runs' requests together
 (``cluster_check.pooled_latency``). With ``--repeat-cluster`` a second cluster plays each run's
 probe and trace again and is compared with the first as the simulator is (``cluster_repeat``:
 its figures and the ratios second / first; ``pooled_cluster_repeat`` over the runs): how well
@@ -128,11 +128,13 @@ def load_rates(settings, phases: list[tuple[float, float]]) -> list[tuple[float,
 
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
-          downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False) -> tuple[dict, object, object]:
+          downscale_window_s: float = 20.0, seed: int = 0,
+          repeat: bool = False) -> tuple[dict, object, object, object | None]:
     """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
     turns into rates, simulate both, compare (the module docstring): (the comparison, the
-    measured log, the simulated log). With ``repeat``, a second cluster plays the same probe
-    and trace, compared with the first as the simulator is (``cluster_repeat``)."""
+    measured log, the simulated log, the second cluster's log or None). With ``repeat``, a
+    second cluster plays the same probe and trace, compared with the first as the simulator is
+    (``cluster_repeat``)."""
     from kvserve.cli import build_parser
     from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads

@@ -67,13 +67,11 @@ async def next_item(stream, idle_s: float = IDLE_S):
     """The stream's next item that is not a keep-alive; ``ReplyLost`` (the stream cancelled)
     after ``idle_s`` without any item; ``StopAsyncIteration`` at its end."""
     while True:
-        waiting = asyncio.ensure_future(stream.__anext__())
-        done, _ = await wait_cancelling({waiting}, idle_s)
-        if not done:
-            waiting.cancel()
+        try:
+            item = await asyncio.wait_for(stream.__anext__(), idle_s)    # a cancelled caller cancels it too
+        except asyncio.TimeoutError:
             stream.cancel()
-            raise ReplyLost(idle_s)
-        item = waiting.result()
+            raise ReplyLost(idle_s) from None
         if not is_keepalive(item):
             return item
 
