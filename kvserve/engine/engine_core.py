@@ -31,7 +31,7 @@ from kvserve.engine.scheduler import Scheduler
 from kvserve.engine.sequence import FinishReason
 from kvserve.engine.stats import AdapterCounters, EngineStats, PrefixSubtree
 from kvserve.engine.step import SeqUpdate
-from kvserve.engine.step_time import LinearTimeModel
+from kvserve.engine.step_time import LinearTimeModel, StepClock
 from kvserve.errors import AdapterNotFoundError, EngineBusyError, InvalidRequestError
 
 SUBTREES_SHOWN = 8            # prefix-cache branches reported in EngineStats (the console shows them)
@@ -60,6 +60,7 @@ class EngineCore:
         self.limits = EngineLimits(config.max_model_len, model_config.vocab_size, config.block_size,
                                    kv_plan.num_blocks, kv_plan.max_tokens)
         self.num_steps = 0
+        self.step_clock = StepClock()        # the steps' wall and CPU seconds (the host's share)
         self._last_plan_empty = False
         # structured output: compiles (and so checks) a request's constraint; the runner masks
         self.constraints = constraints or NullConstraints()
@@ -150,6 +151,10 @@ class EngineCore:
     # -------------------------------------------------------------------- step
     def step(self) -> list[SeqUpdate]:
         """One engine step; returns what each sequence produced."""
+        with self.step_clock:
+            return self._step()
+
+    def _step(self) -> list[SeqUpdate]:
         plan = self.scheduler.schedule()
         self._last_plan_empty = plan.is_empty
         if not plan.is_empty:
@@ -323,7 +328,8 @@ class EngineCore:
             num_running_seqs=self.scheduler.num_running, num_waiting_seqs=self.scheduler.num_waiting,
             kv_blocks_used=pool.num_used_blocks, kv_blocks_cached=pool.num_cached_only_blocks,
             kv_blocks_total=pool.num_blocks, kv_cache_dtype=self.kv_cache_dtype, num_preemptions=self.scheduler.num_preemptions,
-            num_steps=self.num_steps, prefix_cache_enabled=cache is not None,
+            num_steps=self.num_steps, step_seconds=self.step_clock.wall_s, step_cpu_seconds=self.step_clock.cpu_s,
+            prefix_cache_enabled=cache is not None,
             prefix_cache_queries=cache.num_queries if cache else 0,
             prefix_cache_query_tokens=cache.num_query_tokens if cache else 0,
             prefix_cache_hit_tokens=cache.num_hit_tokens if cache else 0,

@@ -88,6 +88,8 @@ class EngineStats:
     kv_cache_dtype: str = ""              # KV storage: "float32", ..., "int8", "fp8_e4m3", "fp8_e5m2"
     num_preemptions: int = 0
     num_steps: int = 0
+    step_seconds: float = 0.0             # wall seconds of all steps (StepClock)
+    step_cpu_seconds: float = 0.0         # the process's CPU seconds in them
     prefix_cache_enabled: bool = False
     prefix_cache_queries: int = 0
     prefix_cache_query_tokens: int = 0

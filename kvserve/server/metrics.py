@@ -328,6 +328,9 @@ class ServerMetrics:
         self.integrity = g("kvserve_kv_integrity_ok", "0 once an idle-time block pool integrity check failed.")
         self.preemptions = c("kvserve_preemptions_total", "Sequences preempted (recomputed later).")
         self.engine_steps = c("kvserve_engine_steps_total", "Engine steps run.")
+        self.step_seconds = c("kvserve_engine_step_seconds_total", "Wall seconds the engine's steps took.")
+        self.step_cpu_seconds = c("kvserve_engine_step_cpu_seconds_total",
+                                  "CPU seconds of the engine process during its steps (over wall: the host's share).")
         self.prompt_tokens = c("kvserve_prompt_tokens_total", "Prompt tokens of admitted requests.")
         self.generation_tokens = c("kvserve_generation_tokens_total", "Tokens generated.")
         self.finished = c("kvserve_requests_finished_total", "Finished requests by finish reason.")
@@ -346,8 +349,9 @@ class ServerMetrics:
                      self.prefix_blocks,
                      self.spec_proposed, self.spec_accepted, self.spec_accepted_pos, self.spec_verifications,
                      self.spec_mean_len, self.spec_steps_off, self.step_fixed, self.step_per_token, self.ready,
-                     self.integrity, self.preemptions, self.engine_steps, self.prompt_tokens, self.generation_tokens, self.finished,
-                     self.rejected, *self.start.all, *self.classes.all, *self.tenants.all]
+                     self.integrity, self.preemptions, self.engine_steps, self.step_seconds, self.step_cpu_seconds,
+                     self.prompt_tokens, self.generation_tokens, self.finished, self.rejected, *self.start.all,
+                     *self.classes.all, *self.tenants.all]
 
     def _init_prefix_cache_and_speculation(self) -> None:
         """The prefix cache's and speculative decoding's series."""
@@ -385,6 +389,8 @@ class ServerMetrics:
         self.prefix_blocks.set(stats.prefix_cache_blocks)
         self.preemptions.set_total(stats.num_preemptions)
         self.engine_steps.set_total(stats.num_steps)
+        self.step_seconds.set_total(stats.step_seconds)
+        self.step_cpu_seconds.set_total(stats.step_cpu_seconds)
         self.integrity.set(1 if stats.integrity_ok else 0)
         self.step_fixed.set(stats.step_time_fixed_s)
         self.step_per_token.set(stats.step_time_per_token_s)

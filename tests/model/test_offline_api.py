@@ -57,3 +57,15 @@ def test_logprobs_shape(llm):
         assert entry[token] == max(entry.values())           # greedy picks the best
     assert out.cumulative_logprob == pytest.approx(sum(e[t] for t, e in zip(out.token_ids, out.logprobs)))
 
+
+
+def test_the_step_clock_counts_the_steps_wall_and_cpu(llm):
+    import torch
+    before = llm.engine.stats()
+    llm.generate("Count to ten:", SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    after = llm.engine.stats()
+    assert after.num_steps - before.num_steps >= 8
+    wall = after.step_seconds - before.step_seconds
+    cpu = after.step_cpu_seconds - before.step_cpu_seconds
+    # every step was timed; the process's CPU in them is at most its threads' worth of the wall
+    assert wall > 0 and 0 < cpu <= wall * (torch.get_num_threads() + 1) + 0.05

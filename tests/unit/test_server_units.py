@@ -138,8 +138,11 @@ def test_metrics_render_in_prometheus_format():
     m.ttft.observe(0.05)
     m.ttft.observe(100.0)
     m.finished.inc(finish_reason="stop")
-    m.update_engine(EngineStats(kv_blocks_used=3, kv_blocks_total=10, num_preemptions=2))
+    m.update_engine(EngineStats(kv_blocks_used=3, kv_blocks_total=10, num_preemptions=2, step_seconds=2.5,
+                                step_cpu_seconds=2.0))
     samples = parse_metrics(m.render())
+    assert samples["kvserve_engine_step_seconds_total"] == 2.5
+    assert samples["kvserve_engine_step_cpu_seconds_total"] == 2.0
     assert samples['kvserve_time_to_first_token_seconds_bucket{le="0.06"}'] == 1
     assert samples['kvserve_time_to_first_token_seconds_bucket{le="+Inf"}'] == 2
     assert samples["kvserve_time_to_first_token_seconds_count"] == 2
