@@ -29,8 +29,11 @@ def _add_plan_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--memory-gib", type=float, help="custom figure: memory per GPU (GiB)")
     g.add_argument("--bandwidth-gbs", type=float, help="custom figure: memory bandwidth (GB/s)")
     g.add_argument("--tflops", type=float, help="custom figure: dense TFLOP/s for the weight dtype's compute")
-    g.add_argument("--weight-dtype", default="auto", help="bf16, fp16, fp32, fp8, int8, int4, auto (native)")
-    g.add_argument("--kv-dtype", default="bf16", help="bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2, int8 (8-bit: + 4 B scale per token and kv head)")
+    g.add_argument("--weight-dtype", default="auto",
+                   help="bf16, fp16, fp32, fp8, int8, int4, auto (a profiled entry's: what its engine ran; else native)")
+    g.add_argument("--kv-dtype", default="auto",
+                   help="bf16, fp16, fp32, fp8 (= fp8_e4m3), fp8_e5m2, int8 (8-bit: + 4 B scale per token and kv head), "
+                        "auto (a profiled entry's: what its engine ran; else bf16)")
     w = p.add_argument_group("workload")
     w.add_argument("--context", type=int, default=4096, help="tokens per sequence (context mode)")
     w.add_argument("--concurrency", type=int, default=1, help="concurrent sequences (context mode)")
@@ -97,10 +100,8 @@ def build_inputs(args: argparse.Namespace):
 
     model = resolve_model(args.model)
     hw = custom_figures(resolve_hardware(args.gpu, args.gpu_file, args.price_per_hour), args)
-    if args.weight_dtype != "auto":
-        wd = weight_dtype(args.weight_dtype)
-    else:      # the checkpoint's own dtype; GGUF files keep their exact tensor bytes (None)
-        wd = None if model.native_weight_bytes else weight_dtype(model.native_dtype)
+    cal = dict(hw.calibration)            # a profiled entry knows its engine's limits and dtypes
+    wd = planned_weight_dtype(args.weight_dtype, model, cal)
     workload = Workload(
         context=args.context, concurrency=args.concurrency,
         prompt=LengthDist.parse(args.prompt_tokens, "prompt_tokens") if args.prompt_tokens else None,
@@ -110,7 +111,6 @@ def build_inputs(args: argparse.Namespace):
         tpot_s=args.tpot_ms / 1e3 if args.tpot_ms is not None else None)
     spec = (SpecConfig(args.spec_alpha, args.spec_k, args.spec_draft_cost)
             if args.spec_alpha is not None else None)
-    cal = dict(hw.calibration)            # a profiled entry knows its engine's limits
 
     def limit(flag, key: str, default: int) -> int:
         return int(flag if flag is not None else cal.get(key, default))
@@ -121,7 +121,21 @@ def build_inputs(args: argparse.Namespace):
                           max_tp=args.max_tp, tp=args.tp,
                           expert_parallel=args.expert_parallel,
                           claimed_tokens_per_s_per_gpu=args.claimed_tokens_per_s)
-    return PlanInputs(model, hw, wd, kv_dtype(args.kv_dtype), workload, spec, options)
+    kv = args.kv_dtype if args.kv_dtype != "auto" else cal.get("kv_cache_dtype") or "bf16"
+    return PlanInputs(model, hw, wd, kv_dtype(kv), workload, spec, options)
+
+
+def planned_weight_dtype(name: str, model, calibration: dict):
+    """The weight dtype to plan with: ``name``; for ``auto`` on a profiled entry the one its
+    engine ran (``calibration["weight_dtype"]``: a CPU engine computes in fp32 where the CPU
+    lacks native bf16, whatever the checkpoint holds), else the checkpoint's own (None for a
+    GGUF file: its exact tensor bytes)."""
+    from kvserve.planner.dtypes import weight_dtype
+    if name != "auto":
+        return weight_dtype(name)
+    if calibration.get("weight_dtype"):
+        return weight_dtype(calibration["weight_dtype"])
+    return None if model.native_weight_bytes else weight_dtype(model.native_dtype)
 
 
 def _fail(exc: KVServeError, as_json: bool) -> int:

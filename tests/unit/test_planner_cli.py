@@ -123,6 +123,23 @@ def test_hardware_file_round_trip_and_price_override(tmp_path, capsys):
     assert code == 2 and "cannot beat its own peak" in out["error"]["message"]
 
 
+def test_a_profiled_entry_plans_in_the_dtypes_its_engine_ran(tmp_path, capsys):
+    # a CPU without native bf16 runs the engine in fp32 whatever the checkpoint holds: planning
+    # that host in the checkpoint's bf16 priced every GEMM at its emulated bf16 rate
+    from types import MappingProxyType
+    profiled = dataclasses.replace(CATALOG["h100-sxm"], name="profiled",
+                                   calibration=MappingProxyType({"weight_dtype": "fp32", "kv_cache_dtype": "float32"}))
+    path = save_hardware_file(profiled, str(tmp_path / "profiled.json"))
+    _, auto = run_json(capsys, "--model", "llama-3-8b", "--gpu-file", path)
+    assert auto["weight_dtype"] == "fp32" and auto["kv_dtype"] == "fp32"
+    _, given = run_json(capsys, "--model", "llama-3-8b", "--gpu-file", path, "--weight-dtype", "bf16",
+                        "--kv-dtype", "int8")
+    assert given["weight_dtype"] == "bf16" and given["kv_dtype"] == "int8"
+    _, catalog = run_json(capsys, "--model", "llama-3-8b", "--gpu", "h100-sxm")      # no profile: native, bf16 KV
+    assert catalog["weight_dtype"] == "bf16" and catalog["kv_dtype"] == "bf16"
+    assert auto["weight_bytes"] == 2 * catalog["weight_bytes"]
+
+
 def test_custom_hardware_figures(capsys):
     base = ["--model", "llama-3-70b", "--context", "8192", "--concurrency", "32"]
     _, h100 = run_json(capsys, *base, "--gpu", "h100-sxm")
