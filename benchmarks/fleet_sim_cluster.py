@@ -48,8 +48,11 @@
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
-(simulated / measured); the issue's bar is within 20%. Beside them, the autoscaler's input: the
-demand windows the cluster's policy closed and the simulator's (``cluster_windows``,
+(simulated / measured); the issue's bar is within 20%. Beside them, the engines' step clocks
+over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
+engines busy (``engine_clocks``: the CPU share the steps got and their CPU per step;
+``fleetsim/engine_clock.py``), and the autoscaler's input: the demand windows the cluster's
+policy closed and the simulator's (``cluster_windows``,
 ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
 read at the same moment, the loads' median ratio, mean absolute difference and the share on the
 same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With
@@ -82,6 +85,8 @@ from benchmarks.server_process import ServerProcess  # noqa: E402
 
 KV_CACHE_GIB = 0.25
 PROMPT_MEAN, OUTPUT_MEAN = 128.0, 24.0   # the trace's mean lengths; the capacity is planned for them
+MAX_NUM_SEQS = 4         # each replica's batch; the capacity is planned for a full one (``full_batch_tpot_ms``)
+TPOT_SLACK = 1.2         # the planner's TPOT SLO over a full batch's step on this host
 HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
 PROBE_STREAM = dict(batch=10, batch_gap_s=0.25)   # the probe's busy part: 10 requests 0.25 s apart (4/s)
 IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
@@ -95,12 +100,28 @@ def host_cores() -> int:
 
 def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: float) -> list[str]:
     """``kvserve cluster serve`` options of the check (the simulator reads the same ones)."""
-    return ["--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", "4", "--replicas", "1",
+    return ["--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--replicas", "1", "--capacity-tpot-ms", str(round(full_batch_tpot_ms(hw_path), 1)),
             "--router", "least_loaded", "--no-ladder", "--autoscale", "tokens", "--tier", "hot",
             "--min-replicas", "1", "--max-replicas", "2", "--headroom-factor", str(HEADROOM_FACTOR),
             "--capacity-gpu", hw_path,
             "--capacity-prompt-tokens", str(int(PROMPT_MEAN)), "--capacity-output-tokens", str(int(OUTPUT_MEAN)),
             "--demand-window-s", str(demand_window_s), "--downscale-window-s", str(downscale_window_s)]
+
+
+def full_batch_tpot_ms(hw_path: str) -> float:
+    """The planner's TPOT SLO for the check: one that a batch of ``MAX_NUM_SEQS`` meets on this
+    host (its decode step there, from the planner without an SLO, x ``TPOT_SLACK``), at least the
+    cluster's default 100 ms. The capacity is then a full batch's on every host: on the AVX2
+    host a batch of four steps in ~145 ms, so at 100 ms the planner allowed one sequence."""
+    import argparse
+    from kvserve.cluster.capacity_source import planned_capacity
+    from kvserve.loader.api import default_model_path
+    unbound = argparse.Namespace(capacity_gpu=hw_path, capacity_prompt_tokens=int(PROMPT_MEAN),
+                                 capacity_output_tokens=int(OUTPUT_MEAN), capacity_tpot_ms=1e9,
+                                 capacity_ttft_ms=2000.0, max_num_seqs=MAX_NUM_SEQS)
+    step_s = MAX_NUM_SEQS / planned_capacity(default_model_path(), unbound).decode_tokens_per_s
+    return max(100.0, 1e3 * step_s * TPOT_SLACK)
 
 
 def profile(path: str | None = None, repeats: int | None = None) -> str:
@@ -127,6 +148,22 @@ def load_rates(settings, phases: list[tuple[float, float]]) -> list[tuple[float,
     return [(seconds, load / seconds_per_request) for seconds, load in phases]
 
 
+def cluster_settings(flags: list[str]) -> tuple:
+    """The parsed ``kvserve cluster serve`` options and the autoscaler's settings they give."""
+    from kvserve.cli import build_parser
+    from kvserve.cluster.capacity_source import settings_from_args
+    from kvserve.loader.api import default_model_path
+    args = build_parser().parse_args(["cluster", "serve", *flags])
+    return args, settings_from_args(args, default_model_path())
+
+
+def trace_requests(hw_path: str, phases: list[tuple[float, float]]) -> float:
+    """How many requests the check's trace holds on the hardware entry ``hw_path`` (its phases'
+    rates from the capacity planned there, ``load_rates``, times their seconds)."""
+    _, settings = cluster_settings(cluster_flags(hw_path, 5.0, 20.0))
+    return sum(seconds * rate for seconds, rate in load_rates(settings, phases))
+
+
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0,
           repeat: bool = False) -> tuple[dict, object, object, object | None]:
@@ -135,8 +172,6 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     measured log, the simulated log, the second cluster's log or None). With ``repeat``, a
     second cluster plays the same probe and trace, compared with the first as the simulator is
     (``cluster_repeat``)."""
-    from kvserve.cli import build_parser
-    from kvserve.cluster.capacity_source import settings_from_args
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import probe_trace
@@ -145,8 +180,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.planner.model_io import model_from_gguf
 
     flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
-    args = build_parser().parse_args(["cluster", "serve", *flags])
-    settings = settings_from_args(args, default_model_path())
+    args, settings = cluster_settings(flags)
     rates = load_rates(settings, phases)
     trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(**PROBE_STREAM)
     run = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed,
@@ -160,7 +194,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                                prefill_slowdown=fit.prefill_slowdown, router_stats=stats, lead_in=lead_in)
     host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor)
-    simulated, sim_steps = on_fit(host(start_cores), windows=(sim_windows := []))
+    simulated, sim_steps = on_fit(host(start_cores, record=(host_record := [])), windows=(sim_windows := []))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
@@ -180,12 +214,25 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
             "memory_contention": run.contention.as_dict(),
+            "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
             "probe_lead_s": round(lead_in[1], 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
+
+
+def engine_clocks(readings: list, host_record: list, measured) -> dict:
+    """The cluster's engines' step clocks over the trace and the simulated host's steps, grouped
+    by engines busy (``fleetsim/engine_clock.py``): where the busy host slows the steps; beside
+    the replicas' first-token times, the client's (``measured``, the trace's log): the path."""
+    import math
+    from kvserve.fleetsim.engine_clock import clock_windows, measured_by_busy, simulated_by_busy
+    first_tokens = [(first, first - sent) for sent, first in zip(measured.arrival, measured.first_token_s)
+                    if not math.isnan(first)]
+    return {"measured": measured_by_busy(clock_windows(readings), first_tokens),
+            "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
 
 
 def repeat_record(compared: dict) -> dict:
@@ -235,7 +282,9 @@ class ClusterRun:
     change), ``plane`` (``PlaneFit``), ``stats_age_s`` (``mean_stats_age``), ``sample_age_s`` and
     ``windows`` (``decision_record``), ``probe_lead_s`` (the probe was sent this long before the
     trace), ``trace_wall_s`` (the trace's start on the wall clock) and ``drift``
-    (``host_meter.HostDrift`` relative to the probe, from the probe's start)."""
+    (``host_meter.HostDrift`` relative to the probe, from the probe's start), ``contention``
+    (``host_contention.Contention``) and ``clocks``, the engines' step clocks read over the
+    trace (``engine_clock.ClockReading``)."""
 
     probed: object
     measured: object
@@ -250,6 +299,7 @@ class ClusterRun:
     trace_wall_s: float
     drift: object
     contention: object
+    clocks: list
 
     def clock(self, estimate):
         """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
@@ -268,7 +318,8 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     """Time an engine of ``threads`` beside a second one on a batch of ``batch`` requests of the
     trace's mean lengths (``host_contention.measure_contention``); start ``kvserve cluster
     serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
-    it, play the trace while watching the replicas (``ClusterRun``)."""
+    it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
+    from kvserve.fleetsim.engine_clock import ClockWatcher
     from kvserve.fleetsim.host_contention import measure_contention
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_meter import HostDrift, HostMeter
@@ -283,13 +334,14 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         snapshots, trace_t0 = [], time.perf_counter()
         trace_wall_s = time.time() - (time.perf_counter() - trace_t0)
-        measured, served_by, changes = asyncio.run(replay_and_watch(
-            cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
+        with ClockWatcher(cluster.url, trace_t0) as clocks:
+            measured, served_by, changes = asyncio.run(replay_and_watch(
+                cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
         stats_age_s, decisions = mean_stats_age(cluster.url), decision_record(cluster.url)
     return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
                       decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
                       trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
-                      contention)
+                      contention, clocks.readings)
 
 
 def router_stats(mean_age_s: float) -> tuple[float, float]:

@@ -169,10 +169,12 @@ class SharedHost:
     """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
     ``engine_threads``, the serving plane's ``plane``, each starting replica's ``start_cores`` and
     ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady) and
-    ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``)."""
+    ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``);
+    ``record``: a list each step's factors are appended to (``engine_clock.simulated_by_busy``)."""
 
     def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None,
-                 contention: float = 1.0):
+                 contention: float = 1.0, record: list | None = None):
+        self.record = record                       # if a list: (time, engines busy, cores' factor, factor) per step
         self.cores = cores
         self.contention = max(1.0, contention)       # a neighbour never speeds a step up
         self.drift = drift
@@ -204,18 +206,22 @@ class SharedHost:
         return frozenset(self._rates)
 
     def factor(self) -> float:
-        """How much slower than alone every busy engine steps now (at least 1): the starting
-        replicas take their cores first (``starts_take``), the rest is shared, and each busy
-        neighbour adds its memory contention for the share of the time it runs (the module
-        docstring)."""
+        """How much slower than alone every busy engine steps now (at least 1): the cores'
+        sharing (``cores_factor``), and each busy neighbour's memory contention for the share of
+        the time it runs (the module docstring)."""
+        s = self.cores_factor()
+        return s + (self.contention - 1.0) * max(0, len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
+
+    def cores_factor(self) -> float:
+        """The cores' sharing alone (at least 1): the starting replicas take their cores first
+        (``starts_take``), the busy engines, the background and the plane share the rest."""
         engines = len(self._rates) * self.engine_threads
         if not engines:
             return 1.0                          # nothing steps (the starts then take what a start takes)
         rest = self.cores - self.starts_take()
         demand = engines + self.plane.background_cores
         plane = self.plane.cpu_s_per_token * sum(self._rates.values())
-        s = max(1.0, (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest))
-        return s + (self.contention - 1.0) * (len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
+        return max(1.0, (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest))
 
     def starts_take(self) -> float:
         """The cores the starting replicas take now: each the ``start_cores`` it was measured to
@@ -230,4 +236,7 @@ class SharedHost:
     def step_factor(self, now: float) -> float:
         """How much longer than its roofline a step starting at ``now`` takes: the cores' sharing
         (``factor``) times the host's drift then."""
-        return self.factor() * (self.drift.at(now) if self.drift is not None else 1.0)
+        factor = self.factor()
+        if self.record is not None:
+            self.record.append((now, len(self._rates), self.cores_factor(), factor))
+        return factor * (self.drift.at(now) if self.drift is not None else 1.0)

@@ -1,0 +1,154 @@
+"""The cluster's engines' step clocks, read through the ingress's ``/metrics`` while a trace plays.
+
+Every engine sums its steps' wall and CPU seconds (``engine/step_time.StepClock``:
+``kvserve_engine_step_seconds_total``, ``kvserve_engine_step_cpu_seconds_total``, each replica's
+series labelled ``replica=`` on the ingress). Two readings a few seconds apart give, for each
+replica over the window: the share of it the engine stepped (``busy``), the share of the host
+its steps got (``cpu_share``: CPU over wall; about its thread count on a quiet host) and the CPU
+per step. Grouped by how many engines were busy, they say where a busy host slows the steps:
+a lower CPU share (the cores shared: ``host_cpu.SharedHost``'s fluid factor) or more CPU per
+step (the memory system, caches: its ``contention``). The cluster check sets them beside the
+simulated host's own record (``SharedHost(record=)``, ``simulated_by_busy``).
+"""
+from __future__ import annotations
+
+import re
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+SERIES = {"kvserve_engine_step_seconds_total": "wall_s", "kvserve_engine_step_cpu_seconds_total": "cpu_s",
+          "kvserve_engine_steps_total": "steps", "kvserve_time_to_first_token_seconds_sum": "ttft_sum_s",
+          "kvserve_time_to_first_token_seconds_count": "ttft_count"}
+_SAMPLE = re.compile(r'^(\w+)\{replica="([^"]+)"\}\s+(\S+)$')
+BUSY_AT_LEAST = 0.8          # a replica busy for this share of a window counts as busy in it
+
+
+@dataclass(frozen=True)
+class ReplicaClock:
+    """One replica's counters at one scrape: its steps' wall and CPU seconds and count, and the
+    sum and count of the first tokens it timed (from its app's arrival, ``engine_client``)."""
+
+    wall_s: float = 0.0
+    cpu_s: float = 0.0
+    steps: float = 0.0
+    ttft_sum_s: float = 0.0
+    ttft_count: float = 0.0
+
+
+@dataclass(frozen=True)
+class ClockReading:
+    """One scrape: ``t`` (the caller's clock) and each replica's ``ReplicaClock``."""
+
+    t: float
+    replicas: dict[str, ReplicaClock]
+
+
+def parse_clocks(text: str) -> dict[str, ReplicaClock]:
+    """Each replica's ``ReplicaClock`` from the ingress's ``/metrics`` text (its series labelled
+    ``replica=`` alone)."""
+    series: dict[str, dict[str, float]] = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and match.group(1) in SERIES:
+            series.setdefault(match.group(2), {})[SERIES[match.group(1)]] = float(match.group(3))
+    return {replica: ReplicaClock(**values) for replica, values in series.items()}
+
+
+class ClockWatcher:
+    """A thread that scrapes ``url``'s ``/metrics`` every ``period_s`` (a context manager);
+    ``readings`` on the clock ``perf_counter() - t0``."""
+
+    def __init__(self, url: str, t0: float, period_s: float = 2.0):
+        self.url, self.t0, self.period_s = url.rstrip("/"), t0, period_s
+        self.readings: list[ClockReading] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="engine-clock-watcher", daemon=True)
+
+    def __enter__(self) -> "ClockWatcher":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def _run(self) -> None:
+        import httpx
+        with httpx.Client(timeout=10.0) as client:
+            while not self._stop.is_set():
+                try:
+                    text = client.get(self.url + "/metrics").text
+                    self.readings.append(ClockReading(time.perf_counter() - self.t0, parse_clocks(text)))
+                except httpx.HTTPError:
+                    pass                       # a scrape lost to a replica starting: the next one
+                self._stop.wait(self.period_s)
+
+
+def clock_windows(readings: list[ClockReading]) -> list[dict]:
+    """Per pair of consecutive readings and replica in both: ``start``, ``end``, ``replica``,
+    ``busy`` (stepped share of the window), ``cpu_share`` and ``cpu_ms_per_step`` (None where
+    it did not step), ``first_tokens`` it timed and their mean ``replica_ttft_s`` (None: none)."""
+    windows = []
+    for a, b in zip(readings, readings[1:]):
+        seconds = b.t - a.t
+        for replica, now in b.replicas.items():
+            before = a.replicas.get(replica)
+            if before is None or seconds <= 0:
+                continue
+            wall, cpu, steps = now.wall_s - before.wall_s, now.cpu_s - before.cpu_s, now.steps - before.steps
+            firsts = now.ttft_count - before.ttft_count
+            windows.append({"start": round(a.t, 2), "end": round(b.t, 2), "replica": replica,
+                            "busy": round(wall / seconds, 3),
+                            "cpu_share": round(cpu / wall, 3) if wall > 0 else None,
+                            "cpu_ms_per_step": round(1e3 * cpu / steps, 2) if steps > 0 else None,
+                            "first_tokens": int(firsts),
+                            "replica_ttft_s": round((now.ttft_sum_s - before.ttft_sum_s) / firsts, 4)
+                            if firsts > 0 else None})
+    return windows
+
+
+def measured_by_busy(windows: list[dict], first_tokens: list[tuple[float, float]] = (),
+                     busy_at_least: float = BUSY_AT_LEAST) -> dict[str, dict]:
+    """The windows grouped by how many replicas were busy over them (``"0"``, ``"1"``, ``"2"``,
+    ...): the busy replicas' median CPU share and CPU ms per step; the mean first-token time the
+    replicas timed and, from ``first_tokens`` (the client's (first token's time, TTFT) per
+    request, on the readings' clock) ending in the same windows, the client's and its excess
+    over the replicas' (``path_s``: the serving path's hops, both ways)."""
+    spans: dict[tuple[float, float], list[dict]] = {}
+    for window in windows:
+        spans.setdefault((window["start"], window["end"]), []).append(window)
+    groups: dict[str, list[tuple[tuple[float, float], list[dict]]]] = {}
+    for span, span_windows in spans.items():
+        busy = [w for w in span_windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+        groups.setdefault(str(len(busy)), []).append((span, span_windows))
+    return {n: _group_figures(members, first_tokens, busy_at_least) for n, members in sorted(groups.items())}
+
+
+def _group_figures(members: list, first_tokens, busy_at_least: float) -> dict:
+    busy = [w for _, ws in members for w in ws if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+    timed = [w for _, ws in members for w in ws if w["first_tokens"]]
+    replica_firsts = sum(w["first_tokens"] for w in timed)
+    client = [ttft for t, ttft in first_tokens if any(start <= t < end for (start, end), _ in members)]
+    figures = {"windows": len(members), "busy_windows": len(busy),
+               "cpu_share": round(statistics.median(w["cpu_share"] for w in busy), 3) if busy else None,
+               "cpu_ms_per_step": round(statistics.median(w["cpu_ms_per_step"] for w in busy), 2) if busy else None,
+               "replica_ttft_s": round(sum(w["first_tokens"] * w["replica_ttft_s"] for w in timed) / replica_firsts, 4)
+               if replica_firsts else None,
+               "client_ttft_s": round(statistics.fmean(client), 4) if client else None, "first_tokens": len(client)}
+    if figures["replica_ttft_s"] is not None and figures["client_ttft_s"] is not None:
+        figures["path_s"] = round(figures["client_ttft_s"] - figures["replica_ttft_s"], 4)
+    return figures
+
+
+def simulated_by_busy(record: list[tuple[float, int, float, float]]) -> dict[str, dict]:
+    """``SharedHost``'s record (each step: time, engines busy, the cores' factor, the whole
+    factor) grouped by engines busy: the CPU share a one-thread engine's steps get (1 / the
+    cores' factor), the rest of the factor (memory contention), steps' mean."""
+    groups: dict[str, list[tuple[float, float]]] = {}
+    for _, busy, cores_factor, factor in record:
+        groups.setdefault(str(busy), []).append((cores_factor, factor))
+    return {n: {"cpu_share": round(statistics.fmean(1.0 / c for c, _ in rows), 3),
+                "cpu_per_step_factor": round(statistics.fmean(f / c for c, f in rows), 3), "steps": len(rows)}
+            for n, rows in sorted(groups.items())}

@@ -1,0 +1,74 @@
+"""The engines' step clocks read through the cluster's /metrics, and the simulated host's record."""
+import pytest
+
+from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, measured_by_busy, parse_clocks,
+                                           simulated_by_busy)
+from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost
+
+METRICS = """# HELP kvserve_engine_step_seconds_total Wall seconds the engine's steps took.
+# TYPE kvserve_engine_step_seconds_total counter
+kvserve_engine_step_seconds_total{replica="a"} 10.0
+kvserve_engine_step_seconds_total{replica="b"} 4.0
+kvserve_engine_step_cpu_seconds_total{replica="a"} 9.5
+kvserve_engine_step_cpu_seconds_total{replica="b"} 3.0
+kvserve_engine_steps_total{replica="a"} 100
+kvserve_engine_steps_total{replica="b"} 40
+kvserve_time_to_first_token_seconds_bucket{replica="a",le="0.5"} 3
+kvserve_time_to_first_token_seconds_sum{replica="a"} 1.5
+kvserve_time_to_first_token_seconds_count{replica="a"} 6
+kvserve_engine_steps_total{replica="f",deployment="fallback"} 9
+kvserve_cluster_engine_step_seconds_total 14.0
+kvserve_engine_steps_total_other{replica="a"} 7
+"""
+
+
+def test_each_replicas_clock_is_read_from_the_ingress_metrics():
+    assert parse_clocks(METRICS) == {"a": ReplicaClock(10.0, 9.5, 100.0, 1.5, 6.0), "b": ReplicaClock(4.0, 3.0, 40.0)}
+
+
+def reading(t, **replicas):
+    return ClockReading(t, {name: ReplicaClock(*map(float, v)) for name, v in replicas.items()})
+
+
+def test_windows_give_busy_share_cpu_share_cpu_per_step_and_first_tokens():
+    readings = [reading(0.0, a=(0, 0, 0)), reading(2.0, a=(2.0, 1.9, 20, 0.6, 3)),       # a alone, busy
+                reading(4.0, a=(4.0, 3.5, 40, 0.6, 3), b=(0, 0, 0)),                     # b appears
+                reading(6.0, a=(6.0, 5.1, 60, 1.6, 5), b=(1.9, 1.5, 19, 0.5, 1))]        # both busy
+    windows = clock_windows(readings)
+    assert [(w["start"], w["replica"]) for w in windows] == [(0.0, "a"), (2.0, "a"), (4.0, "a"), (4.0, "b")]
+    first = windows[0]
+    assert first["busy"] == 1.0 and first["cpu_share"] == 0.95 and first["cpu_ms_per_step"] == 95.0
+    assert first["first_tokens"] == 3 and first["replica_ttft_s"] == 0.2 and windows[1]["replica_ttft_s"] is None
+    client = [(0.5, 0.3), (1.0, 0.3), (1.5, 0.3), (4.5, 0.9), (5.0, 0.7), (5.5, 0.8), (9.0, 5.0)]
+    by_busy = measured_by_busy(windows, client)
+    one, two = by_busy["1"], by_busy["2"]
+    assert one["windows"] == 2 and one["busy_windows"] == 2 and one["cpu_share"] == pytest.approx(0.875)
+    assert one["replica_ttft_s"] == 0.2 and one["client_ttft_s"] == 0.3 and one["path_s"] == pytest.approx(0.1)
+    assert two["busy_windows"] == 2 and two["cpu_share"] == pytest.approx((0.8 + 1.5 / 1.9) / 2, abs=1e-3)
+    assert two["replica_ttft_s"] == 0.5 and two["first_tokens"] == 3 and two["path_s"] == pytest.approx(0.3)
+
+
+def test_an_idle_replica_is_not_a_busy_one():
+    readings = [reading(0.0, a=(0, 0, 0), b=(0, 0, 0)), reading(2.0, a=(2.0, 1.9, 20), b=(0.2, 0.2, 2))]
+    by_busy = measured_by_busy(clock_windows(readings))
+    assert list(by_busy) == ["1"] and by_busy["1"]["busy_windows"] == 1 and by_busy["1"]["cpu_share"] == 0.95
+    assert by_busy["1"]["replica_ttft_s"] is None and "path_s" not in by_busy["1"]
+    idle = [reading(0.0, a=(1, 1, 1)), reading(2.0, a=(1, 1, 1))]
+    assert clock_windows(idle)[0]["cpu_share"] is None
+    assert measured_by_busy(clock_windows(idle))["0"]["cpu_share"] is None
+
+
+def test_the_simulated_host_records_each_steps_cores_and_contention():
+    record = []
+    host = SharedHost(2, 1, PlaneFit(0.2, 0.004), contention=1.05, record=record)
+    host.busy("a", 100.0)
+    alone = host.step_factor(0.0)
+    host.busy("b", 100.0)
+    both = host.step_factor(1.0)
+    assert record[0] == (0.0, 1, alone, alone) and alone == pytest.approx(1.0)
+    _, busy, cores, factor = record[1]
+    assert busy == 2 and cores > 1.0 and factor == pytest.approx(cores + 0.05)
+    summary = simulated_by_busy(record)
+    assert summary["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1}
+    assert summary["2"]["cpu_share"] == pytest.approx(1 / cores, abs=1e-3)
+    assert summary["2"]["cpu_per_step_factor"] == pytest.approx(1 + 0.05 / cores, abs=1e-3)
