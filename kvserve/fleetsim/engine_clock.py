@@ -7,7 +7,8 @@ replica over the window: the share of it the engine stepped (``busy``), the shar
 its steps got (``cpu_share``: CPU over wall; about its thread count on a quiet host) and the CPU
 per step. Grouped by how many engines were busy, they say where a busy host slows the steps:
 a lower CPU share (the cores shared: ``host_cpu.SharedHost``'s fluid factor) or more CPU per
-step (the memory system, caches: its ``contention``). The cluster check sets them beside the
+step (the memory system, caches: its ``contention``). The replicas' first-token times beside the
+client's give the serving path's share of a TTFT. The cluster check sets them beside the
 simulated host's own record (``SharedHost(record=)``, ``simulated_by_busy``).
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 SERIES = {"kvserve_engine_step_seconds_total": "wall_s", "kvserve_engine_step_cpu_seconds_total": "cpu_s",
           "kvserve_engine_steps_total": "steps", "kvserve_time_to_first_token_seconds_sum": "ttft_sum_s",
           "kvserve_time_to_first_token_seconds_count": "ttft_count"}
-_SAMPLE = re.compile(r'^(\w+)\{replica="([^"]+)"\}\s+(\S+)$')
+_FLEET_SERIES = re.compile(r'^(\w+)\{replica="([^"]+)"\}$')      # a fleet replica's (the fallback's: more labels)
 BUSY_AT_LEAST = 0.8          # a replica busy for this share of a window counts as busy in it
 
 
@@ -48,11 +49,12 @@ class ClockReading:
 def parse_clocks(text: str) -> dict[str, ReplicaClock]:
     """Each replica's ``ReplicaClock`` from the ingress's ``/metrics`` text (its series labelled
     ``replica=`` alone)."""
+    from kvserve.server.metrics import parse_metrics
     series: dict[str, dict[str, float]] = {}
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
+    for sample, value in parse_metrics(text).items():
+        match = _FLEET_SERIES.match(sample)
         if match and match.group(1) in SERIES:
-            series.setdefault(match.group(2), {})[SERIES[match.group(1)]] = float(match.group(3))
+            series.setdefault(match.group(2), {})[SERIES[match.group(1)]] = value
     return {replica: ReplicaClock(**values) for replica, values in series.items()}
 
 

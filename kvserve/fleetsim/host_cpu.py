@@ -209,7 +209,9 @@ class SharedHost:
         """How much slower than alone every busy engine steps now (at least 1): the cores'
         sharing (``cores_factor``), and each busy neighbour's memory contention for the share of
         the time it runs (the module docstring)."""
-        s = self.cores_factor()
+        return self._with_contention(self.cores_factor())
+
+    def _with_contention(self, s: float) -> float:
         return s + (self.contention - 1.0) * max(0, len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
 
     def cores_factor(self) -> float:
@@ -236,7 +238,8 @@ class SharedHost:
     def step_factor(self, now: float) -> float:
         """How much longer than its roofline a step starting at ``now`` takes: the cores' sharing
         (``factor``) times the host's drift then."""
-        factor = self.factor()
+        cores = self.cores_factor()
+        factor = self._with_contention(cores)
         if self.record is not None:
-            self.record.append((now, len(self._rates), self.cores_factor(), factor))
+            self.record.append((now, len(self._rates), cores, factor))
         return factor * (self.drift.at(now) if self.drift is not None else 1.0)
