@@ -13,6 +13,9 @@
    (``load_rates``), so the token policy's decisions do not move with the profile: with the rate
    in requests/s, one quick profile put a 1.5 requests/s step at 0.77 of a replica (x headroom
    1.25 = 0.96, under the threshold of 1, so only a burst window scaled up), another at 1.03.
+   The requests are 128 / 24 tokens on the mean, shorter on a host where those cost a replica
+   more than 1 / 1.6 s (``trace_shape``, ``fleetsim/trace_shape.py``: the trace then holds as
+   many requests and the probe as much work as where the check was set).
    Before the trace, a probe (``fleetsim/host_fit.py``: requests one at a time with prompts of
    four lengths, then a stream of ten, ``PROBE_STREAM``) measures the host as the cluster's
    engines see it: how much slower they decode and prefill than the profile and the latency the
@@ -44,7 +47,7 @@
    into the probe).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
-        [--seed N] [--runs K] [--repeat-cluster]
+        [--seed N] [--runs K] [--repeat-cluster] [--dtype float32]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
@@ -84,7 +87,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.server_process import ServerProcess  # noqa: E402
 
 KV_CACHE_GIB = 0.25
-PROMPT_MEAN, OUTPUT_MEAN = 128.0, 24.0   # the trace's mean lengths; the capacity is planned for them
 MAX_NUM_SEQS = 4         # each replica's batch; the capacity is planned for a full one (``full_batch_tpot_ms``)
 TPOT_SLACK = 1.2         # the planner's TPOT SLO over a full batch's step on this host
 HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
@@ -98,18 +100,22 @@ def host_cores() -> int:
     return len(os.sched_getaffinity(0))
 
 
-def cluster_flags(hw_path: str, demand_window_s: float, downscale_window_s: float) -> list[str]:
-    """``kvserve cluster serve`` options of the check (the simulator reads the same ones)."""
-    return ["--threads", "1", "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--replicas", "1", "--capacity-tpot-ms", str(round(full_batch_tpot_ms(hw_path), 1)),
+def cluster_flags(hw_path: str, lengths: tuple[int, int], demand_window_s: float = 5.0,
+                  downscale_window_s: float = 20.0, dtype: str = "auto") -> list[str]:
+    """``kvserve cluster serve`` options of the check (the simulator reads the same ones), its
+    capacity planned for requests of ``lengths`` (mean prompt and output tokens), its engines'
+    weights in ``dtype`` (as the profile's)."""
+    prompt_tokens, output_tokens = lengths
+    return ["--threads", "1", "--dtype", dtype, "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", str(MAX_NUM_SEQS),
+            "--replicas", "1", "--capacity-tpot-ms", str(round(full_batch_tpot_ms(hw_path, lengths), 1)),
             "--router", "least_loaded", "--no-ladder", "--autoscale", "tokens", "--tier", "hot",
             "--min-replicas", "1", "--max-replicas", "2", "--headroom-factor", str(HEADROOM_FACTOR),
             "--capacity-gpu", hw_path,
-            "--capacity-prompt-tokens", str(int(PROMPT_MEAN)), "--capacity-output-tokens", str(int(OUTPUT_MEAN)),
+            "--capacity-prompt-tokens", str(prompt_tokens), "--capacity-output-tokens", str(output_tokens),
             "--demand-window-s", str(demand_window_s), "--downscale-window-s", str(downscale_window_s)]
 
 
-def full_batch_tpot_ms(hw_path: str) -> float:
+def full_batch_tpot_ms(hw_path: str, lengths: tuple[int, int]) -> float:
     """The planner's TPOT SLO for the check: one that a batch of ``MAX_NUM_SEQS`` meets on this
     host (its decode step there, from the planner without an SLO, x ``TPOT_SLACK``), at least the
     cluster's default 100 ms. The capacity is then a full batch's on every host: on the AVX2
@@ -117,16 +123,16 @@ def full_batch_tpot_ms(hw_path: str) -> float:
     import argparse
     from kvserve.cluster.capacity_source import planned_capacity
     from kvserve.loader.api import default_model_path
-    unbound = argparse.Namespace(capacity_gpu=hw_path, capacity_prompt_tokens=int(PROMPT_MEAN),
-                                 capacity_output_tokens=int(OUTPUT_MEAN), capacity_tpot_ms=1e9,
+    unbound = argparse.Namespace(capacity_gpu=hw_path, capacity_prompt_tokens=lengths[0],
+                                 capacity_output_tokens=lengths[1], capacity_tpot_ms=1e9,
                                  capacity_ttft_ms=2000.0, max_num_seqs=MAX_NUM_SEQS)
     step_s = MAX_NUM_SEQS / planned_capacity(default_model_path(), unbound).decode_tokens_per_s
     return max(100.0, 1e3 * step_s * TPOT_SLACK)
 
 
-def profile(path: str | None = None, repeats: int | None = None) -> str:
-    """``kvserve profile --quick --threads 1`` (the replicas' thread count) into ``path`` (a
-    temporary file by default), once the host is quiet (``host_cpu.wait_until_quiet``: a cluster
+def profile(path: str | None = None, repeats: int | None = None, dtype: str = "auto") -> str:
+    """``kvserve profile --quick --threads 1 --dtype DTYPE`` (the replicas' thread count and
+    weights) into ``path`` (a temporary file by default), once the host is quiet (``host_cpu.wait_until_quiet``: a cluster
     that an earlier run stopped may still be winding down, and a profile taken beside it times
     every step slow); the path."""
     from kvserve.fleetsim.host_cpu import wait_until_quiet
@@ -134,18 +140,36 @@ def profile(path: str | None = None, repeats: int | None = None) -> str:
     extra = ["--repeats", str(repeats)] if repeats else []
     waited, busy = wait_until_quiet()
     print(f"profile: waited {waited:.0f} s for a quiet host (busy cores per second: {busy})", file=sys.stderr)
-    subprocess.run([sys.executable, "-m", "kvserve.cli", "profile", "--quick", "--threads", "1", *extra, "--out",
-                    path], check=True, stdout=subprocess.DEVNULL)
+    subprocess.run([sys.executable, "-m", "kvserve.cli", "profile", "--quick", "--threads", "1", "--dtype", dtype,
+                    *extra, "--out", path], check=True, stdout=subprocess.DEVNULL)
     return path
 
 
-def load_rates(settings, phases: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def seconds_per_request(settings, lengths: tuple[int, int]) -> float:
+    """What a request of ``lengths`` (prompt, output tokens) costs one replica at the planned
+    capacity (``settings``' prefill and decode tokens/s): ``P / C_p + O / C_d``, the token
+    policy's load of one such request a second (``autoscale/policy.py``)."""
+    return lengths[0] / settings.prefill_tokens_per_s + lengths[1] / settings.decode_tokens_per_s
+
+
+def load_rates(phases: list[tuple[float, float]], shape) -> list[tuple[float, float]]:
     """``(seconds, load)`` phases as ``(seconds, requests/s)``: a load of 1 is one replica's
-    planned capacity (``settings``' prefill and decode tokens/s) for requests of the trace's mean
-    lengths, ``rate = load / (PROMPT_MEAN / C_p + OUTPUT_MEAN / C_d)``, the token policy's load
-    (``autoscale/policy.py``) read backwards."""
-    seconds_per_request = PROMPT_MEAN / settings.prefill_tokens_per_s + OUTPUT_MEAN / settings.decode_tokens_per_s
-    return [(seconds, load / seconds_per_request) for seconds, load in phases]
+    planned capacity for requests of the ``shape``'s mean lengths (``TraceShape``: its cost at
+    the capacity, ``seconds_per_request``), ``rate = load / cost``, the token policy's load read
+    backwards."""
+    return [(seconds, load / shape.seconds_per_request) for seconds, load in phases]
+
+
+def trace_shape(hw_path: str):
+    """The check's request lengths on the hardware entry ``hw_path`` (``fleetsim/trace_shape.py``):
+    shortened on a slow host until a request costs a replica what 128 / 24 tokens cost on the
+    host the check was set on."""
+    from kvserve.fleetsim.trace_shape import shape_for_host
+
+    def cost(prompt_tokens: int, output_tokens: int) -> float:
+        lengths = (prompt_tokens, output_tokens)
+        return seconds_per_request(cluster_settings(cluster_flags(hw_path, lengths))[1], lengths)
+    return shape_for_host(cost)
 
 
 def cluster_settings(flags: list[str]) -> tuple:
@@ -157,21 +181,21 @@ def cluster_settings(flags: list[str]) -> tuple:
     return args, settings_from_args(args, default_model_path())
 
 
-def trace_requests(hw_path: str, phases: list[tuple[float, float]]) -> float:
-    """How many requests the check's trace holds on the hardware entry ``hw_path`` (its phases'
-    rates from the capacity planned there, ``load_rates``, times their seconds)."""
-    _, settings = cluster_settings(cluster_flags(hw_path, 5.0, 20.0))
-    return sum(seconds * rate for seconds, rate in load_rates(settings, phases))
+def trace_requests(phases: list[tuple[float, float]], shape) -> float:
+    """How many requests the check's trace holds for requests of ``shape`` (``trace_shape``; its
+    phases' rates, ``load_rates``, times their seconds)."""
+    return sum(seconds * rate for seconds, rate in load_rates(phases, shape))
 
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
-          downscale_window_s: float = 20.0, seed: int = 0,
-          repeat: bool = False) -> tuple[dict, object, object, object | None]:
+          downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False,
+          dtype: str = "auto", shape=None) -> tuple[dict, object, object, object | None]:
     """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
     turns into rates, simulate both, compare (the module docstring): (the comparison, the
-    measured log, the simulated log, the second cluster's log or None). With ``repeat``, a
-    second cluster plays the same probe and trace, compared with the first as the simulator is
-    (``cluster_repeat``)."""
+    measured log, the simulated log, the second cluster's log or None), the requests of
+    ``shape`` (None: ``trace_shape`` on ``hw_path``), the engines' weights in ``dtype``. With
+    ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
+    simulator is (``cluster_repeat``)."""
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import probe_trace
@@ -179,12 +203,16 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     from kvserve.loader.api import default_model_path
     from kvserve.planner.model_io import model_from_gguf
 
-    flags = cluster_flags(hw_path, demand_window_s, downscale_window_s)
+    shape = shape or trace_shape(hw_path)
+    lengths = (shape.prompt_tokens, shape.output_tokens)
+    flags = cluster_flags(hw_path, lengths, demand_window_s, downscale_window_s, dtype)
     args, settings = cluster_settings(flags)
-    rates = load_rates(settings, phases)
-    trace, probe = phased_trace(rates, PROMPT_MEAN, OUTPUT_MEAN, seed), probe_trace(**PROBE_STREAM)
-    run = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed,
-                          threads=args.threads, batch=args.max_num_seqs)
+    rates = load_rates(phases, shape)
+    trace = phased_trace(rates, *lengths, seed)
+    probe = probe_trace(**PROBE_STREAM, prompt_tokens=lengths[0], output_tokens=lengths[1], gap_s=shape.singles_gap_s)
+    measure = functools.partial(measure_cluster, flags, trace, probe, model_from_gguf(default_model_path()).vocab_size,
+                                seed, threads=args.threads, workload=(args.max_num_seqs, *lengths), dtype=dtype)
+    run = measure()
     estimated = ray_decision_timing(demand_window_s)
     simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
     plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
@@ -201,9 +229,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
         *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated))}
-    again = measure_cluster(flags, trace, probe, model_from_gguf(default_model_path()).vocab_size, seed,
-                            threads=args.threads, batch=args.max_num_seqs) if repeat else None
-    return {"load_phases": [list(p) for p in phases],
+    again = measure() if repeat else None
+    return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
             "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
             "start_cpu_cores": round(start_cores, 3), "decision_sample_age_s": run.sample_age_s,
@@ -314,9 +341,9 @@ class ClusterRun:
 
 
 def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
-                    batch: int = 4) -> ClusterRun:
-    """Time an engine of ``threads`` beside a second one on a batch of ``batch`` requests of the
-    trace's mean lengths (``host_contention.measure_contention``); start ``kvserve cluster
+                    workload: tuple[int, int, int] = (4, 128, 24), dtype: str = "auto") -> ClusterRun:
+    """Time an engine of ``threads`` beside a second one on ``workload`` (a batch of requests of
+    the trace's mean prompt and output tokens; ``host_contention.measure_contention``); start ``kvserve cluster
     serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
     it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
     from kvserve.fleetsim.engine_clock import ClockWatcher
@@ -324,7 +351,7 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_meter import HostDrift, HostMeter
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace
-    contention = measure_contention(threads=threads, workload=(batch, int(PROMPT_MEAN), int(OUTPUT_MEAN)))
+    contention = measure_contention(threads=threads, workload=workload, dtype=dtype)
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster, \
             HostMeter() as meter:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
@@ -431,6 +458,9 @@ def main() -> None:
                              "(default 20:0.25,40:0.8,40:0.2)")
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", default="auto",
+                        help="the engines' weights in the profile and the cluster (float32 on a host with native "
+                             "bf16 makes a slower host, where the trace's requests are shortened: trace_shape)")
     parser.add_argument("--runs", type=int, default=1,
                         help="repeat on the traces of seeds SEED.. SEED+RUNS-1, a cluster and (without --hardware) "
                              "a profile each, and pool their requests' latencies (one run's p99 is its slowest "
@@ -440,8 +470,8 @@ def main() -> None:
                         help="play each run's probe and trace on a second cluster too, compared with the first "
                              "as the simulator is (cluster_repeat: how well the cluster reproduces itself)")
     args = parser.parse_args()
-    runs = [check(args.hardware or profile(), args.phases, seed=args.seed + k, repeat=args.repeat_cluster)
-            for k in range(args.runs)]
+    runs = [check(args.hardware or profile(dtype=args.dtype), args.phases, seed=args.seed + k,
+                  repeat=args.repeat_cluster, dtype=args.dtype) for k in range(args.runs)]
     if args.dump:
         with open(args.dump, "wb") as f:
             pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r,

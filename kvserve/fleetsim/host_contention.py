@@ -65,31 +65,31 @@ class Contention:
 
 
 def measure_contention(runs: int = 2, threads: int = 1, workload: tuple[int, int, int] = WORKLOAD,
-                       timeout_s: float = 300.0) -> Contention:
+                       timeout_s: float = 300.0, dtype: str = "auto") -> Contention:
     """Measure in a subprocess (the module docstring), so that this process's own threads and
-    core affinity stay as they were."""
-    done = subprocess.run(_command(threads, workload, "--runs", str(runs)), capture_output=True, text=True,
+    core affinity stay as they were; the engines' weights in ``dtype`` (the server's ``--dtype``)."""
+    done = subprocess.run(_command(threads, workload, dtype, "--runs", str(runs)), capture_output=True, text=True,
                           timeout=timeout_s, env=_one_thread_env(threads))
     if done.returncode != 0:
         raise RuntimeError(f"the contention probe failed: {done.stderr[-2000:]}")
     return Contention.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
 
 
-def _command(threads: int, workload: tuple[int, int, int], *extra: str) -> list[str]:
-    """This module's command line for ``threads`` and ``workload``, then ``extra``."""
+def _command(threads: int, workload: tuple[int, int, int], dtype: str, *extra: str) -> list[str]:
+    """This module's command line for ``threads``, ``workload`` and ``dtype``, then ``extra``."""
     return [sys.executable, "-m", "kvserve.fleetsim.host_contention", "--threads", str(threads),
-            "--workload", ",".join(map(str, workload)), *extra]
+            "--workload", ",".join(map(str, workload)), "--dtype", dtype, *extra]
 
 
 def _one_thread_env(threads: int) -> dict:
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def _engine(threads: int, workload: tuple[int, int, int]):
+def _engine(threads: int, workload: tuple[int, int, int], dtype: str):
     """A function running ``workload`` once on a fresh kvserve engine, after one warm-up run."""
     from kvserve.planner.profile import open_engine, runs_kv_bytes
     batch, prompt, output = workload
-    generate, facts = open_engine(None, threads, runs_kv_bytes(None, [((prompt,) * batch, output)]))
+    generate, facts = open_engine(None, threads, runs_kv_bytes(None, [((prompt,) * batch, output)]), dtype)
     rng, vocab = random.Random(0), facts["model"].vocab_size
 
     def run() -> None:
@@ -108,10 +108,10 @@ def _cpu_seconds(run, runs: int) -> list[float]:
     return times
 
 
-def _start_neighbour(threads: int, workload: tuple[int, int, int], core: int | None,
+def _start_neighbour(threads: int, workload: tuple[int, int, int], dtype: str, core: int | None,
                      timeout_s: float = 120.0) -> subprocess.Popen:
     """The neighbour process, once it printed ``READY``."""
-    command = _command(threads, workload, "--neighbour", *(["--core", str(core)] if core is not None else []))
+    command = _command(threads, workload, dtype, "--neighbour", *(["--core", str(core)] if core is not None else []))
     process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_one_thread_env(threads))
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     if not ready or process.stdout.readline().strip() != READY:
@@ -120,15 +120,16 @@ def _start_neighbour(threads: int, workload: tuple[int, int, int], core: int | N
     return process
 
 
-def measure_here(runs: int, threads: int, workload: tuple[int, int, int], cycles: int = CYCLES) -> Contention:
+def measure_here(runs: int, threads: int, workload: tuple[int, int, int], cycles: int = CYCLES,
+                 dtype: str = "auto") -> Contention:
     """The measurement itself, in this process (``measure_contention`` runs it in a subprocess):
     ``cycles`` rounds of ``runs`` runs alone (the neighbour stopped) and ``runs`` beside it."""
     cores = sorted(os.sched_getaffinity(0))
     pinned = len(cores) >= 2
     if pinned:
         os.sched_setaffinity(0, {cores[0]})
-    run = _engine(threads, workload)
-    neighbour = _start_neighbour(threads, workload, cores[1] if pinned else None)
+    run = _engine(threads, workload, dtype)
+    neighbour = _start_neighbour(threads, workload, dtype, cores[1] if pinned else None)
     alone, beside = [], []
     try:
         for _ in range(cycles):
@@ -153,13 +154,13 @@ def _die_with_parent() -> None:
         pass                                   # not Linux: the parent check below still ends it
 
 
-def neighbour_loop(threads: int, workload: tuple[int, int, int], core: int | None) -> None:
+def neighbour_loop(threads: int, workload: tuple[int, int, int], core: int | None, dtype: str = "auto") -> None:
     """Load the engine, print ``READY``, run ``workload`` until killed or orphaned."""
     parent = os.getppid()
     _die_with_parent()
     if core is not None:
         os.sched_setaffinity(0, {core})
-    run = _engine(threads, workload)
+    run = _engine(threads, workload, dtype)
     print(READY, flush=True)
     while os.getppid() == parent:
         run()
@@ -172,14 +173,15 @@ def main() -> None:
     parser.add_argument("--workload", default=",".join(map(str, WORKLOAD)), help="BATCH,PROMPT,OUTPUT tokens")
     parser.add_argument("--neighbour", action="store_true", help="be the neighbour: run the workload until killed")
     parser.add_argument("--core", type=int, default=None, help="the neighbour's core")
+    parser.add_argument("--dtype", default="auto", help="the engines' weights (the server's --dtype)")
     args = parser.parse_args()
     import torch
     torch.set_num_threads(args.threads)
     workload = tuple(int(x) for x in args.workload.split(","))
     if args.neighbour:
-        neighbour_loop(args.threads, workload, args.core)
+        neighbour_loop(args.threads, workload, args.core, args.dtype)
     else:
-        print(json.dumps(measure_here(args.runs, args.threads, workload).as_dict()))
+        print(json.dumps(measure_here(args.runs, args.threads, workload, dtype=args.dtype).as_dict()))
 
 
 if __name__ == "__main__":

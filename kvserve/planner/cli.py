@@ -241,6 +241,9 @@ def register(subparsers) -> None:
     q.add_argument("--skip-engine", action="store_true", help="measure bandwidth and FLOP/s only")
     q.add_argument("--refit", action="store_true", help="re-fit the saved entry's stored runs (no measuring)")
     q.add_argument("--threads", type=int, help="engine CPU threads (default: the engine's default)")
+    q.add_argument("--dtype", default="auto",
+                   help="the engine's weights, as the server's --dtype (float32, bfloat16, ...; default auto: "
+                        "the engine's choice); the entry plans in what its engine ran")
     q.add_argument("--repeats", type=int, default=2, help="time each run this many times, keep the best")
     q.add_argument("--clock", default="auto", help="auto (cpu with --threads 1, else wall), wall or cpu")
     q.add_argument("--tensor-parallel", type=int, default=None, metavar="N",

@@ -143,12 +143,14 @@ def runs_kv_bytes(model: str | None, runs: Sequence[tuple[tuple[int, ...], int]]
     return int(1.25 * blocks * block_size * kv_bytes_per_token_per_gpu(spec, 4.0, 1).value)
 
 
-def open_engine(model: str | None, threads: int | None, kv_cache_bytes: int | None = None):
+def open_engine(model: str | None, threads: int | None, kv_cache_bytes: int | None = None, dtype: str = "auto"):
     """(generate(prompts, max_tokens), engine facts) for kvserve's offline API, with
-    ``kv_cache_bytes`` of KV (None: the engine's default budget)."""
+    ``kv_cache_bytes`` of KV (None: the engine's default budget) and weights in ``dtype`` (the
+    engine's ``--dtype``: "auto" lets it choose, as a server started without one does)."""
     from kvserve import LLM, SamplingParams
 
     kwargs = {"num_threads": threads} if threads else {}
+    kwargs["dtype"] = dtype
     llm = LLM(model=model, kv_cache_bytes=kv_cache_bytes, **kwargs)
 
     reset = getattr(llm.engine, "reset_prefix_cache", None)
@@ -234,7 +236,8 @@ def measure(args) -> HardwareSpec:
     if not args.skip_engine:
         print("timing kvserve runs (this takes a few minutes) ...", flush=True)
         runs = QUICK_RUNS if args.quick else FULL_RUNS
-        generate, facts = open_engine(args.model, threads, runs_kv_bytes(args.model, runs))
+        generate, facts = open_engine(args.model, threads, runs_kv_bytes(args.model, runs),
+                                      getattr(args, "dtype", None) or "auto")
         generate([[101] * 8], 2)                                   # warm-up
         samples = time_runs(generate, runs, facts["model"].vocab_size,
                             repeats=getattr(args, "repeats", 2) or 1, clock=clock)

@@ -56,10 +56,13 @@ ten runs; pooled over five traces 0.54x, the cluster decoding slower under the t
 probe in three of them; docs/fleet_simulator.md).
 The check's time scales (a 100 s trace in phases of 20 and 40 s, a probe of ten requests 0.25 s
 apart, 5 s demand windows) were set on a host whose replica serves ~1.6-1.8 of the trace's
-requests a second (69-81 requests in the trace). On a host planned at fewer than
-``MIN_TRACE_REQUESTS`` the test skips and says why: on the AVX2 EPYC (a batch of four steps in
+requests a second (69-81 requests in the trace). On the AVX2 EPYC (a batch of four steps in
 ~145 ms, 0.57 requests/s) the trace held 22 requests and the probe alone, 17 s of one replica's
 work, scaled the cluster to two before the trace began (benchmarks/fleet_sim_cluster_slow_host.json).
+So a slow host gets shorter requests (``trace_shape``, ``fleetsim/trace_shape.py``: prompts and
+outputs shortened by one factor until a request costs a replica 1 / 1.6 s, at most by 4x), and
+the test skips, saying why, only where the trace would still hold fewer than
+``MIN_TRACE_REQUESTS``.
 Outside these the simulator, the profile or the cluster broke, or the host moved: in one CI run
 of this check the cluster's replica took 18 s to start (8-13 s otherwise) and its TTFT p50 came
 out 2.5x the simulator's, a host slower over the trace than over the probe a minute before.
@@ -73,7 +76,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks.fleet_sim_cluster import check, profile, trace_requests
+from benchmarks.fleet_sim_cluster import check, profile, trace_requests, trace_shape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
@@ -94,11 +97,13 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     earlier = []
     for attempt in range(ATTEMPTS):
         hardware = profile(str(tmp_path / f"local{attempt}.json"))
-        if attempt == 0 and (requests := trace_requests(hardware, PHASES)) < MIN_TRACE_REQUESTS:
-            pytest.skip(f"this host's replica is planned at so few requests/s that the check's 100 s trace would "
+        shape = trace_shape(hardware)             # shorter requests on a slow host (fleetsim/trace_shape.py)
+        if attempt == 0 and (requests := trace_requests(PHASES, shape)) < MIN_TRACE_REQUESTS:
+            pytest.skip(f"this host's replica is planned at so few requests/s, even with requests of "
+                        f"{shape.prompt_tokens} / {shape.output_tokens} tokens, that the check's 100 s trace would "
                         f"hold {requests:.0f} requests (at least {MIN_TRACE_REQUESTS}): its probe alone would "
                         "scale the cluster up, its p99 would be one request (docs/fleet_simulator.md)")
-        result, *_ = check(hardware, PHASES)
+        result, *_ = check(hardware, PHASES, shape=shape)
         if _within_bands(result):
             break
         earlier.append({k: result[k] for k in ("ratio", "replica_start_s", "host_fit")})
