@@ -44,7 +44,8 @@
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
    step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
-   into the probe).
+   into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
+   core, read by the engine's clock over the probe, the probe fitted on that host too).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
         [--seed N] [--runs K] [--repeat-cluster] [--dtype float32]
@@ -54,7 +55,9 @@ their mean absolute difference over the mean), measured and simulated, with the 
 (simulated / measured); the issue's bar is within 20%. Beside them, the engines' step clocks
 over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
 engines busy (``engine_clocks``: the CPU share the steps got and their CPU per step;
-``fleetsim/engine_clock.py``), and the autoscaler's input: the demand windows the cluster's
+``fleetsim/engine_clock.py``), over the probe the one-at-a-time requests' path the clocks measured
+(``probe_path_measured_s``, beside the fit's intercept) and the plane's reach (``plane_reach``;
+over the trace, reported only: ``plane_reach_over_trace``), and the autoscaler's input: the demand windows the cluster's
 policy closed and the simulator's (``cluster_windows``,
 ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
 read at the same moment, the loads' median ratio, mean absolute difference and the share on the
@@ -197,6 +200,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
     simulator is (``cluster_repeat``)."""
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
+    from kvserve.fleetsim.cluster_reads import router_stats, starting_cores
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations
@@ -206,8 +210,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     shape = shape or trace_shape(hw_path)
     lengths = (shape.prompt_tokens, shape.output_tokens)
     flags = cluster_flags(hw_path, lengths, demand_window_s, downscale_window_s, dtype)
-    args, settings = cluster_settings(flags)
-    rates = load_rates(phases, shape)
+    (args, settings), rates = cluster_settings(flags), load_rates(phases, shape)
     trace = phased_trace(rates, *lengths, seed)
     probe = probe_trace(**PROBE_STREAM, prompt_tokens=lengths[0], output_tokens=lengths[1], gap_s=shape.singles_gap_s)
     measure = functools.partial(measure_cluster, flags, trace, probe, model_from_gguf(default_model_path()).vocab_size,
@@ -226,25 +229,21 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
+    probe_clocks, reach_sim = reached(run, probe, simulate, host, start_s, start_cores,
+                                      dict(router_stats=stats, lead_in=lead_in), trace)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated))}
+        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated),
+        ("with_plane_reach", reach_sim))}
     again = measure() if repeat else None
     return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
-            "replica_start_s": round(start_s, 2), "replica_starts_measured_s": [round(s, 2) for s in starts],
-            "start_cpu_cores": round(start_cores, 3), "decision_sample_age_s": run.sample_age_s,
-            "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(simulate.clock).items()},
+            **cluster_record(run, simulate.clock, starts, start_cores, stats),
             **window_record(run.windows_on_trace_clock(settings.capacity()),
                             windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "host_fit": fit.as_dict(), "plane_fit": plane.as_dict(), "host_cores": host_cores(),
-            "memory_contention": run.contention.as_dict(),
-            "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
-            "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
-            "probe_lead_s": round(lead_in[1], 2), "host_drift": run.drift.summary(),
-            "measured_requests_per_replica": dict(Counter(map(str, run.served_by))),
+            "host_fit": fit.as_dict(), **probe_clocks, "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
@@ -282,6 +281,43 @@ def one_part_changed(on_fit, host, start_cores: float, drift, clock, estimated) 
             ("probe_not_played", on_fit(host(start_cores), lead_in=None))]
 
 
+def cluster_record(run, clock, starts: list[float], start_cores: float, stats: tuple[float, float]) -> dict:
+    """What the check measured around the trace, for the JSON: the replicas' starts and the cores
+    they took, the decision clock and the router's stats' age, the host (cores, plane,
+    contention, drift), the probe's lead and who served the trace."""
+    return {"replica_start_s": round(sum(starts) / len(starts), 2) if starts else 0.0,
+            "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
+            "decision_sample_age_s": run.sample_age_s,
+            "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(clock).items()},
+            "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
+            "plane_fit": run.plane.as_dict(), "host_cores": host_cores(), "memory_contention": run.contention.as_dict(),
+            "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
+            "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
+
+
+def rounded(value: float | None, digits: int = 4) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def reached(run, probe, simulate, host, start_s: float, start_cores: float, common: dict, trace) -> tuple[dict, tuple]:
+    """What the engine's clock read over the probe (``engine_clock``): the one-at-a-time requests'
+    serving path (``probe_path_measured_s``: beside the fit's ``path_latency_s``) and the share
+    of the plane's and the background's load that lands on a busy engine's core (``plane_reach``;
+    the same read over the trace, reported only: ``plane_reach_over_trace``); and the trace
+    simulated on a host with the probe's reach (``SharedHost(reach=)``, ``host`` without it), the
+    probe fitted on that host too, so that the fit's factors hold only what the host does not
+    (``plane_reach_fit``): (those figures, (the simulated log, steps))."""
+    from kvserve.fleetsim.engine_clock import plane_reach, singles_path
+    from kvserve.fleetsim.host_fit import SINGLE_PROMPTS
+    reach = plane_reach(run.probe_clocks, run.probed, run.plane)
+    fit = fit_probe(run, probe, simulate, host=lambda: host(0.0, reach=reach or 0.0))
+    sim = simulate(trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
+                   host(start_cores, reach=reach or 0.0), prefill_slowdown=fit.prefill_slowdown, **common)
+    return {"probe_path_measured_s": rounded(singles_path(run.probe_clocks, run.probed, len(SINGLE_PROMPTS))),
+            "plane_reach": rounded(reach), "plane_reach_fit": fit.as_dict(),
+            "plane_reach_over_trace": rounded(plane_reach(run.clocks, run.measured, run.plane))}, sim
+
+
 def window_record(measured: list, simulated: list, headroom: float) -> dict:
     """The cluster's and the simulator's demand windows (``[reading, decision, load]`` on the
     trace's clock) and their comparison (``cluster_check.compare_windows``) against the load past
@@ -291,14 +327,15 @@ def window_record(measured: list, simulated: list, headroom: float) -> dict:
             "window_loads": compare_windows(measured, simulated, 1.0 / headroom)}
 
 
-def fit_probe(run, probe, simulate):
+def fit_probe(run, probe, simulate, host=None):
     """The host's fit (``host_fit.fit_host``) to the probe ``run`` measured, the probe simulated
-    by ``simulate`` (``ClusterSimulator``) on the cluster's clock: it was sent ``probe_lead_s``
-    before the trace."""
+    by ``simulate`` (``ClusterSimulator``) on the cluster's clock (it was sent ``probe_lead_s``
+    before the trace), on a fresh ``host()`` each time (None: unshared; the fit then holds what
+    the probe's host took from the engine)."""
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host
     clock = simulate.clock.on_clock_from(-run.probe_lead_s)
     return fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill,
-                                                                        clock=clock)[0],
+                                                                        clock=clock, host=host and host())[0],
                     one_at_a_time=len(SINGLE_PROMPTS))
 
 
@@ -310,8 +347,8 @@ class ClusterRun:
     ``windows`` (``decision_record``), ``probe_lead_s`` (the probe was sent this long before the
     trace), ``trace_wall_s`` (the trace's start on the wall clock) and ``drift``
     (``host_meter.HostDrift`` relative to the probe, from the probe's start), ``contention``
-    (``host_contention.Contention``) and ``clocks``, the engines' step clocks read over the
-    trace (``engine_clock.ClockReading``)."""
+    (``host_contention.Contention``) and ``clocks`` / ``probe_clocks``, the engines' step clocks
+    read over the trace / the probe (``engine_clock.ClockReading``)."""
 
     probed: object
     measured: object
@@ -327,6 +364,7 @@ class ClusterRun:
     drift: object
     contention: object
     clocks: list
+    probe_clocks: list
 
     def clock(self, estimate):
         """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
@@ -346,6 +384,7 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     the trace's mean prompt and output tokens; ``host_contention.measure_contention``); start ``kvserve cluster
     serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
     it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
+    from kvserve.fleetsim.cluster_reads import decision_record, mean_stats_age
     from kvserve.fleetsim.engine_clock import ClockWatcher
     from kvserve.fleetsim.host_contention import measure_contention
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
@@ -356,7 +395,8 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
             HostMeter() as meter:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
         probe_t0 = time.perf_counter()
-        probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1, t0=probe_t0))
+        with ClockWatcher(cluster.url, probe_t0, period_s=1.0) as probe_clocks:
+            probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1, t0=probe_t0))
         probe_end = time.perf_counter()
         plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
         snapshots, trace_t0 = [], time.perf_counter()
@@ -368,45 +408,7 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
                       decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
                       trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
-                      contention, clocks.readings)
-
-
-def router_stats(mean_age_s: float) -> tuple[float, float]:
-    """(period, delay) of the replica stats the cluster's router saw, from their mean age."""
-    from kvserve.cluster.app import ROUTING_STATS_PERIOD_S
-    from kvserve.fleetsim.router_view import delay_from_mean_age
-    return ROUTING_STATS_PERIOD_S, delay_from_mean_age(mean_age_s, ROUTING_STATS_PERIOD_S)
-
-
-def decision_record(url: str) -> dict:
-    """The engine deployment's autoscaling record as its policy published it (``/cluster/status``):
-    ``mean_sample_age_s``, the mean age of the samples that closed its demand windows, and
-    ``windows``, its last closed windows (``autoscaling.log_window``); {} before its first tick."""
-    import httpx
-    status = httpx.get(f"{url}/cluster/status", timeout=30.0).json()
-    return status["deployments"]["engine"].get("autoscale") or {}
-
-
-def mean_stats_age(url: str) -> float:
-    """The mean age of the replica stats the cluster's router decided on
-    (``kvserve_router_stats_age_seconds`` on the ingress's ``/metrics``; 0 before any decision)."""
-    import httpx
-    from kvserve.server.metrics import parse_metrics
-    samples = parse_metrics(httpx.get(f"{url}/metrics", timeout=30.0).text)
-    count = samples.get("kvserve_router_stats_age_seconds_count", 0.0)
-    return samples.get("kvserve_router_stats_age_seconds_sum", 0.0) / count if count else 0.0
-
-
-def starting_cores(changes: list, snapshots: list) -> float:
-    """The cores a starting replica kept busy: over the measured starts (``replay.start_windows``),
-    the core-seconds of the processes that appeared meanwhile (``host_cpu.new_processes_cpu_s``:
-    Ray's worker taking the replica actor, the engine process it spawned) over the seconds."""
-    from kvserve.fleetsim.host_cpu import new_processes_cpu_s
-    from kvserve.fleetsim.replay import start_windows
-    spans = [(new_processes_cpu_s(snapshots[b], snapshots[e]), changes[e][0] - changes[b][0])
-             for b, e in start_windows(changes)]
-    seconds = sum(s for _, s in spans)
-    return sum(cpu for cpu, _ in spans) / seconds if seconds > 0 else 0.0
+                      contention, clocks.readings, probe_clocks.readings)
 
 
 class ClusterSimulator:

@@ -13,6 +13,7 @@ simulated host's own record (``SharedHost(record=)``, ``simulated_by_busy``).
 """
 from __future__ import annotations
 
+import math
 import re
 import statistics
 import threading
@@ -154,3 +155,60 @@ def simulated_by_busy(record: list[tuple[float, int, float, float]]) -> dict[str
     return {n: {"cpu_share": round(statistics.fmean(1.0 / c for c, _ in rows), 3),
                 "cpu_per_step_factor": round(statistics.fmean(f / c for c, f in rows), 3), "steps": len(rows)}
             for n, rows in sorted(groups.items())}
+
+
+def streamed_tokens(log, start: float, end: float) -> float:
+    """The tokens ``log``'s served requests streamed in ``[start, end)`` (the log's clock): each
+    request's output spread evenly from its first token to its last."""
+    total = 0.0
+    for first, finish, output in zip(log.first_token_s, log.finish_s, log.output):
+        if math.isnan(first) or math.isnan(finish):
+            continue
+        if finish <= first:
+            total += output if start <= first < end else 0.0
+            continue
+        overlap = min(end, finish) - max(start, first)
+        total += output * overlap / (finish - first) if overlap > 0 else 0.0
+    return total
+
+
+def plane_reach(readings: list[ClockReading], log, plane, busy_at_least: float = BUSY_AT_LEAST) -> float | None:
+    """The share of the serving plane's and the background's load that lands on a busy engine's
+    core (``host_cpu.SharedHost``'s ``reach``), from the engine's step clock over a probe: over the
+    windows where exactly one replica was busy, the wall its steps spent off the CPU over the
+    core-seconds the plane (``plane``: ``host_cpu.PlaneFit``; its tokens from ``log``, the probe's
+    measured log, on the readings' clock) and the background wanted meanwhile; None without such
+    a window."""
+    spans: dict[tuple[float, float], list[dict]] = {}
+    for window in clock_windows(readings):
+        spans.setdefault((window["start"], window["end"]), []).append(window)
+    lost = exposure = 0.0
+    for (start, end), windows in spans.items():
+        busy = [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+        if len(busy) != 1 or any(w["busy"] > 0.05 for w in windows if w not in busy):
+            continue
+        wall = busy[0]["busy"] * (end - start)
+        lost += wall * (1.0 - busy[0]["cpu_share"])
+        rate = streamed_tokens(log, start, end) / (end - start)
+        exposure += wall * (plane.background_cores + plane.cpu_s_per_token * rate)
+    return min(1.0, max(0.0, lost / exposure)) if exposure > 0 else None
+
+
+def singles_path(readings: list[ClockReading], log, singles: int) -> float | None:
+    """The serving path of a probe's first ``singles`` requests (sent one at a time): their mean
+    client TTFT (``log``) less the mean the replicas timed, from the first reading to the last one
+    that had counted exactly those first tokens; None where no reading had (a later request's
+    first token came first)."""
+    if not readings or len(log.arrival) < singles:
+        return None
+    first = readings[0].replicas
+
+    def counted(reading: ClockReading) -> tuple[float, float]:
+        before = {name: first.get(name, ReplicaClock()) for name in reading.replicas}
+        return (sum(now.ttft_count - before[name].ttft_count for name, now in reading.replicas.items()),
+                sum(now.ttft_sum_s - before[name].ttft_sum_s for name, now in reading.replicas.items()))
+    exact = [total for count, total in map(counted, readings) if count == singles]
+    if not exact:
+        return None
+    client = statistics.fmean(log.first_token_s[i] - log.arrival[i] for i in range(singles))
+    return client - exact[-1] / singles

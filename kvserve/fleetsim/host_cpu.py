@@ -40,6 +40,15 @@ longer a step takes while another engine steps beside it. A neighbour slowed by 
 (n - 1) / s) = s + (contention - 1) x (n - 1)`` times its time alone. On this check's host it
 measured 1.01-1.06 (a replica starting beside a pinned engine: 1.02, not modelled).
 
+The kernel does not keep a busy engine's core free for it while another core idles: the plane's
+and the background's short bursts wake on whichever core, the engine's too, and take it for their
+slice. With ``reach`` ``r`` of that load landing on each busy engine's core, an engine gets
+``1 - r (b + c R / s)`` of its core, so ``s = (1 + r c R) / (1 - r b)``, whenever that is more
+than the balance above gives. ``r`` = 0 is a perfectly balanced host, ``1 / C`` bursts spread
+evenly over the cores. It is measured in place from the engine's step clock over the probe
+(``engine_clock.plane_reach``): on a two-core EPYC one busy engine's steps got 0.83 of a core
+where the balance above gives 0.97.
+
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
 say when they are busy and at what token rate, the deployment when one starts and when it
 serves (``Deployment(host=)``), and each step's time is multiplied by the factor at the step's
@@ -170,11 +179,14 @@ class SharedHost:
     ``engine_threads``, the serving plane's ``plane``, each starting replica's ``start_cores`` and
     ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady) and
     ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``);
-    ``record``: a list each step's factors are appended to (``engine_clock.simulated_by_busy``)."""
+    ``reach``: the share of the plane's and the background's load that lands on each busy
+    engine's core (the module docstring; 0: none while the cores add up); ``record``: a list each
+    step's factors are appended to (``engine_clock.simulated_by_busy``)."""
 
     def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None,
-                 contention: float = 1.0, record: list | None = None):
-        self.record = record                       # if a list: (time, engines busy, cores' factor, factor) per step
+                 contention: float = 1.0, record: list | None = None, reach: float = 0.0):
+        self.record = record
+        self.reach = min(max(0.0, reach), 0.9 / max(plane.background_cores, 1e-9), 1.0)                       # if a list: (time, engines busy, cores' factor, factor) per step
         self.cores = cores
         self.contention = max(1.0, contention)       # a neighbour never speeds a step up
         self.drift = drift
@@ -223,7 +235,9 @@ class SharedHost:
         rest = self.cores - self.starts_take()
         demand = engines + self.plane.background_cores
         plane = self.plane.cpu_s_per_token * sum(self._rates.values())
-        return max(1.0, (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest))
+        balanced = (demand + math.sqrt(demand * demand + 4 * rest * plane)) / (2 * rest)
+        reached = (1.0 + self.reach * plane) / (1.0 - self.reach * self.plane.background_cores)
+        return max(1.0, balanced, reached)
 
     def starts_take(self) -> float:
         """The cores the starting replicas take now: each the ``start_cores`` it was measured to

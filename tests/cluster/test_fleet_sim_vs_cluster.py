@@ -125,6 +125,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
     assert contention["pinned"] == (result["host_cores"] >= 2) and 0.9 <= contention["factor"] <= 1.5, contention
     alone = result["engine_clocks"]["measured"].get("1")   # the engines' step clocks, read through the ingress
     assert alone is not None and alone["busy_windows"] >= 3 and 0.3 <= alone["cpu_share"] <= 1.2, result["engine_clocks"]
+    # ... and over the probe: its one-at-a-time requests' path, all four first tokens and no later one counted
+    assert result["probe_path_measured_s"] is not None and result["probe_path_measured_s"] < 0.2, result
     stats = result["router_stats"]                    # the age of the replica stats the router decided on
     assert 0.0 < stats["mean_age_s"] < 5.0 and stats["delay_s"] >= 0.0, stats
     # the age of the samples the cluster's scaling decisions read, the host's drift over the run

@@ -2,7 +2,7 @@
 import pytest
 
 from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, measured_by_busy, parse_clocks,
-                                           simulated_by_busy)
+                                           plane_reach, simulated_by_busy, singles_path, streamed_tokens)
 from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost
 
 METRICS = """# HELP kvserve_engine_step_seconds_total Wall seconds the engine's steps took.
@@ -72,3 +72,46 @@ def test_the_simulated_host_records_each_steps_cores_and_contention():
     assert summary["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1}
     assert summary["2"]["cpu_share"] == pytest.approx(1 / cores, abs=1e-3)
     assert summary["2"]["cpu_per_step_factor"] == pytest.approx(1 + 0.05 / cores, abs=1e-3)
+
+
+def test_streamed_tokens_spread_each_output_from_its_first_token_to_its_last():
+    from kvserve.fleetsim.log import RequestLog
+    log = RequestLog([0.0, 0.0, 0.0], [0] * 3, [0] * 3, [8] * 3, [10, 4, 1])
+    log.first_token_s, log.finish_s = [1.0, 2.0, 3.0], [3.0, float("nan"), 3.0]     # the second never finished
+    assert streamed_tokens(log, 0.0, 2.0) == pytest.approx(5.0)
+    assert streamed_tokens(log, 2.0, 4.0) == pytest.approx(6.0)                     # + the one-token answer
+    assert streamed_tokens(log, 5.0, 6.0) == 0.0
+
+
+def test_the_plane_reach_is_the_steps_time_off_cpu_over_what_the_plane_and_background_wanted():
+    from kvserve.fleetsim.log import RequestLog
+    plane = PlaneFit(background_cores=0.2, cpu_s_per_token=0.01)
+    log = RequestLog([0.0], [0], [0], [8], [40])
+    log.first_token_s, log.finish_s = [0.0], [4.0]                   # 10 tokens/s over [0, 4): 0.1 cores of plane
+    readings = [reading(0.0, a=(0, 0, 0)), reading(2.0, a=(2.0, 1.7, 20)),         # busy, 0.85 of a core
+                reading(4.0, a=(4.0, 3.4, 40), b=(0, 0, 0)),
+                reading(6.0, a=(6.0, 4.9, 60), b=(2.0, 1.5, 20))]                  # two busy: not read
+    # 0.3 s lost in each of two windows of 2 s of steps that met 0.3 cores of plane and background: 0.5
+    assert plane_reach(readings, log, plane) == pytest.approx(0.5)
+    assert plane_reach(readings[2:], log, plane) is None
+    host = SharedHost(2, 1, plane, reach=0.5)
+    host.busy("a", 10.0)
+    assert host.cores_factor() == pytest.approx((1 + 0.5 * 0.1) / (1 - 0.5 * 0.2))    # 0.857 of a core
+    balanced = SharedHost(2, 1, plane)                # no reach: the cores add up, the engine runs alone
+    balanced.busy("a", 10.0)
+    assert balanced.cores_factor() == 1.0
+    for name in ("a", "b"):                           # two busy on two cores: the larger of the two sharings
+        host.busy(name, 10.0)
+        balanced.busy(name, 10.0)
+    assert balanced.cores_factor() == pytest.approx((1.1 + (1.1 ** 2 + 0.4) ** 0.5) / 2)      # 2 s = 2.2 + 0.2 / s
+    assert host.cores_factor() == pytest.approx(max(balanced.cores_factor(), (1 + 0.5 * 0.2) / (1 - 0.5 * 0.2)))
+
+
+def test_the_singles_path_is_their_client_ttft_less_the_replicas_once_all_of_them_and_no_more_counted():
+    from kvserve.fleetsim.log import RequestLog
+    log = RequestLog([0.0, 3.0, 6.0], [0] * 3, [0] * 3, [8] * 3, [4] * 3)
+    log.first_token_s = [0.3, 3.4, 6.2]                   # client TTFTs 0.3, 0.4 (then a third request)
+    readings = [reading(0.0, a=(0, 0, 0, 1.0, 2)), reading(2.0, a=(1, 1, 10, 1.25, 3)),
+                reading(4.0, a=(2, 2, 20, 1.6, 4)), reading(7.0, a=(3, 3, 30, 1.75, 5))]
+    assert singles_path(readings, log, 2) == pytest.approx(0.35 - 0.3)
+    assert singles_path(readings[:2], log, 2) is None and singles_path([], log, 2) is None
