@@ -302,19 +302,21 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
 def reached(run, probe, simulate, host, start_s: float, start_cores: float, common: dict, trace) -> tuple[dict, tuple]:
     """What the engine's clock read over the probe (``engine_clock``): the one-at-a-time requests'
     serving path (``probe_path_measured_s``: beside the fit's ``path_latency_s``) and the share
-    of the plane's and the background's load that lands on a busy engine's core (``plane_reach``;
-    the same read over the trace, reported only: ``plane_reach_over_trace``); and the trace
+    of the plane's and the background's load that lands on a busy engine's core (``plane_reach``,
+    over the probe's stream, which loads the plane as the trace does; reported only, the same over
+    the whole probe, ``plane_reach_whole_probe``, and over the trace, ``plane_reach_over_trace``); and the trace
     simulated on a host with the probe's reach (``SharedHost(reach=)``, ``host`` without it), the
     probe fitted on that host too, so that the fit's factors hold only what the host does not
     (``plane_reach_fit``): (those figures, (the simulated log, steps))."""
     from kvserve.fleetsim.engine_clock import plane_reach, singles_path
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS
-    reach = plane_reach(run.probe_clocks, run.probed, run.plane)
+    reach = plane_reach(run.probe_clocks, run.probed, run.plane, since=probe.arrival[len(SINGLE_PROMPTS)])
     fit = fit_probe(run, probe, simulate, host=lambda: host(0.0, reach=reach or 0.0))
     sim = simulate(trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                    host(start_cores, reach=reach or 0.0), prefill_slowdown=fit.prefill_slowdown, **common)
     return {"probe_path_measured_s": rounded(singles_path(run.probe_clocks, run.probed, len(SINGLE_PROMPTS))),
             "plane_reach": rounded(reach), "plane_reach_fit": fit.as_dict(),
+            "plane_reach_whole_probe": rounded(plane_reach(run.probe_clocks, run.probed, run.plane)),
             "plane_reach_over_trace": rounded(plane_reach(run.clocks, run.measured, run.plane))}, sim
 
 

@@ -172,16 +172,18 @@ def streamed_tokens(log, start: float, end: float) -> float:
     return total
 
 
-def plane_reach(readings: list[ClockReading], log, plane, busy_at_least: float = BUSY_AT_LEAST) -> float | None:
+def plane_reach(readings: list[ClockReading], log, plane, busy_at_least: float = BUSY_AT_LEAST,
+                since: float = -math.inf) -> float | None:
     """The share of the serving plane's and the background's load that lands on a busy engine's
     core (``host_cpu.SharedHost``'s ``reach``), from the engine's step clock over a probe: over the
-    windows where exactly one replica was busy, the wall its steps spent off the CPU over the
-    core-seconds the plane (``plane``: ``host_cpu.PlaneFit``; its tokens from ``log``, the probe's
-    measured log, on the readings' clock) and the background wanted meanwhile; None without such
-    a window."""
+    windows (starting at ``since`` or later) where exactly one replica was busy, the wall its steps
+    spent off the CPU over the core-seconds the plane (``plane``: ``host_cpu.PlaneFit``; its tokens
+    from ``log``, the probe's measured log, on the readings' clock) and the background wanted
+    meanwhile; None without such a window."""
     spans: dict[tuple[float, float], list[dict]] = {}
     for window in clock_windows(readings):
-        spans.setdefault((window["start"], window["end"]), []).append(window)
+        if window["start"] >= since:
+            spans.setdefault((window["start"], window["end"]), []).append(window)
     lost = exposure = 0.0
     for (start, end), windows in spans.items():
         busy = [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]

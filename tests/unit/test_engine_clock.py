@@ -94,6 +94,8 @@ def test_the_plane_reach_is_the_steps_time_off_cpu_over_what_the_plane_and_backg
     # 0.3 s lost in each of two windows of 2 s of steps that met 0.3 cores of plane and background: 0.5
     assert plane_reach(readings, log, plane) == pytest.approx(0.5)
     assert plane_reach(readings[2:], log, plane) is None
+    assert plane_reach(readings, log, plane, since=2.0) == pytest.approx(0.5)      # the second window alone
+    assert plane_reach(readings, log, plane, since=4.0) is None
     host = SharedHost(2, 1, plane, reach=0.5)
     host.busy("a", 10.0)
     assert host.cores_factor() == pytest.approx((1 + 0.5 * 0.1) / (1 - 0.5 * 0.2))    # 0.857 of a core
