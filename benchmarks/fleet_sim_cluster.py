@@ -55,11 +55,11 @@ their mean absolute difference over the mean), measured and simulated, with the 
 (simulated / measured); the issue's bar is within 20%. Beside them, the engines' step clocks
 over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
 engines busy (``engine_clocks``: the CPU share the steps got and their CPU per step;
-``fleetsim/engine_clock.py``), over the probe the one-at-a-time requests' path the clocks measured
-(``probe_path_measured_s``, beside the fit's intercept) and the plane's reach (``plane_reach``;
-over the trace, reported only: ``plane_reach_over_trace``), and the autoscaler's input: the demand windows the cluster's
-policy closed and the simulator's (``cluster_windows``,
-``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
+``fleetsim/engine_clock.py``), over the probe the one-at-a-time requests' path the clocks
+measured (``probe_path_measured_s``, beside the fit's intercept) and the plane's reach
+(``plane_reach``, over the probe's stream; reported only, over the whole probe and over the
+trace), and the autoscaler's input: the demand windows the cluster's policy closed and the
+simulator's (``cluster_windows``, ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
 read at the same moment, the loads' median ratio, mean absolute difference and the share on the
 same side of the scale-up threshold (``window_loads``, ``cluster_check.compare_windows``). With
 ``--runs K``: each run's object under ``runs`` and, under ``pooled``, the latencies over all the
@@ -109,8 +109,9 @@ def cluster_flags(hw_path: str, lengths: tuple[int, int], demand_window_s: float
     capacity planned for requests of ``lengths`` (mean prompt and output tokens), its engines'
     weights in ``dtype`` (as the profile's)."""
     prompt_tokens, output_tokens = lengths
-    return ["--threads", "1", "--dtype", dtype, "--kv-cache-gib", str(KV_CACHE_GIB), "--max-num-seqs", str(MAX_NUM_SEQS),
-            "--replicas", "1", "--capacity-tpot-ms", str(round(full_batch_tpot_ms(hw_path, lengths), 1)),
+    return ["--threads", "1", "--dtype", dtype, "--kv-cache-gib", str(KV_CACHE_GIB),
+            "--max-num-seqs", str(MAX_NUM_SEQS), "--replicas", "1",
+            "--capacity-tpot-ms", str(round(full_batch_tpot_ms(hw_path, lengths), 1)),
             "--router", "least_loaded", "--no-ladder", "--autoscale", "tokens", "--tier", "hot",
             "--min-replicas", "1", "--max-replicas", "2", "--headroom-factor", str(HEADROOM_FACTOR),
             "--capacity-gpu", hw_path,
@@ -135,9 +136,9 @@ def full_batch_tpot_ms(hw_path: str, lengths: tuple[int, int]) -> float:
 
 def profile(path: str | None = None, repeats: int | None = None, dtype: str = "auto") -> str:
     """``kvserve profile --quick --threads 1 --dtype DTYPE`` (the replicas' thread count and
-    weights) into ``path`` (a temporary file by default), once the host is quiet (``host_cpu.wait_until_quiet``: a cluster
-    that an earlier run stopped may still be winding down, and a profile taken beside it times
-    every step slow); the path."""
+    weights) into ``path`` (a temporary file by default), once the host is quiet
+    (``host_cpu.wait_until_quiet``: a cluster that an earlier run stopped may still be winding
+    down, and a profile taken beside it times every step slow); the path."""
     from kvserve.fleetsim.host_cpu import wait_until_quiet
     path = path or os.path.join(tempfile.mkdtemp(), "local.json")
     extra = ["--repeats", str(repeats)] if repeats else []
@@ -243,7 +244,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                             windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "host_fit": fit.as_dict(), **probe_clocks, "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
+            "host_fit": fit.as_dict(), **probe_clocks,
+            "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
@@ -289,7 +291,8 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
             "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
             "decision_sample_age_s": run.sample_age_s,
             "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(clock).items()},
-            "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4), "delay_s": round(stats[1], 4)},
+            "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4),
+                             "delay_s": round(stats[1], 4)},
             "plane_fit": run.plane.as_dict(), "host_cores": host_cores(), "memory_contention": run.contention.as_dict(),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
