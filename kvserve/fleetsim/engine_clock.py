@@ -112,6 +112,19 @@ def clock_windows(readings: list[ClockReading]) -> list[dict]:
     return windows
 
 
+def _by_span(windows: list[dict]) -> dict[tuple[float, float], list[dict]]:
+    """``clock_windows``' windows grouped by their ``(start, end)``: every replica's over one span."""
+    spans: dict[tuple[float, float], list[dict]] = {}
+    for window in windows:
+        spans.setdefault((window["start"], window["end"]), []).append(window)
+    return spans
+
+
+def _busy(windows: list[dict], busy_at_least: float) -> list[dict]:
+    """The windows whose replica stepped ``busy_at_least`` of them (and so has a CPU share)."""
+    return [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+
+
 def measured_by_busy(windows: list[dict], first_tokens: list[tuple[float, float]] = (),
                      busy_at_least: float = BUSY_AT_LEAST) -> dict[str, dict]:
     """The windows grouped by how many replicas were busy over them (``"0"``, ``"1"``, ``"2"``,
@@ -119,18 +132,14 @@ def measured_by_busy(windows: list[dict], first_tokens: list[tuple[float, float]
     replicas timed and, from ``first_tokens`` (the client's (first token's time, TTFT) per
     request, on the readings' clock) ending in the same windows, the client's and its excess
     over the replicas' (``path_s``: the serving path's hops, both ways)."""
-    spans: dict[tuple[float, float], list[dict]] = {}
-    for window in windows:
-        spans.setdefault((window["start"], window["end"]), []).append(window)
     groups: dict[str, list[tuple[tuple[float, float], list[dict]]]] = {}
-    for span, span_windows in spans.items():
-        busy = [w for w in span_windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
-        groups.setdefault(str(len(busy)), []).append((span, span_windows))
+    for span, span_windows in _by_span(windows).items():
+        groups.setdefault(str(len(_busy(span_windows, busy_at_least))), []).append((span, span_windows))
     return {n: _group_figures(members, first_tokens, busy_at_least) for n, members in sorted(groups.items())}
 
 
 def _group_figures(members: list, first_tokens, busy_at_least: float) -> dict:
-    busy = [w for _, ws in members for w in ws if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+    busy = _busy([w for _, ws in members for w in ws], busy_at_least)
     timed = [w for _, ws in members for w in ws if w["first_tokens"]]
     replica_firsts = sum(w["first_tokens"] for w in timed)
     client = [ttft for t, ttft in first_tokens if any(start <= t < end for (start, end), _ in members)]
@@ -180,13 +189,9 @@ def plane_reach(readings: list[ClockReading], log, plane, busy_at_least: float =
     spent off the CPU over the core-seconds the plane (``plane``: ``host_cpu.PlaneFit``; its tokens
     from ``log``, the probe's measured log, on the readings' clock) and the background wanted
     meanwhile; None without such a window."""
-    spans: dict[tuple[float, float], list[dict]] = {}
-    for window in clock_windows(readings):
-        if window["start"] >= since:
-            spans.setdefault((window["start"], window["end"]), []).append(window)
     lost = exposure = 0.0
-    for (start, end), windows in spans.items():
-        busy = [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
+    for (start, end), windows in _by_span([w for w in clock_windows(readings) if w["start"] >= since]).items():
+        busy = _busy(windows, busy_at_least)
         if len(busy) != 1 or any(w["busy"] > 0.05 for w in windows if w not in busy):
             continue
         wall = busy[0]["busy"] * (end - start)
