@@ -66,10 +66,12 @@ the test skips, saying why, only where the trace would still hold fewer than
 Outside these the simulator, the profile or the cluster broke, or the host moved: in one CI run
 of this check the cluster's replica took 18 s to start (8-13 s otherwise) and its TTFT p50 came
 out 2.5x the simulator's, a host slower over the trace than over the probe a minute before.
-When the latencies or the count fall outside their bands, or the probe's fit finds the profile
-off (a decode or prefill slowdown outside 0.8-1.5), the check runs once more, with a new
-profile, cluster and probe (``ATTEMPTS``), and reports the first run's ratios beside the
-second's. The count's is there because the cluster and the simulator read the same windows: a
+When the latencies or the count fall outside their bands, either side did not go from one
+replica to two and back, or the probe's fit finds the profile off (a decode or prefill slowdown
+outside 0.8-1.5), the check runs again, with a new profile, cluster and probe, up to three times
+(``ATTEMPTS``: in one CI run on the AVX-512 EPYC both of two attempts missed, the second ending
+with a side at two replicas; its profiles planned a request 8-13% dearer than the session's
+others), and reports the earlier runs' ratios beside the last's. The count's is there because the cluster and the simulator read the same windows: a
 window that read 0.669 of a replica in the cluster (x 1.5 = 1.004, over the threshold of 1) read
 under it simulated, and the simulator scaled up three windows later (mean abs. diff 0.21).
 """
@@ -82,17 +84,19 @@ from benchmarks.fleet_sim_cluster import check, profile, trace_requests, trace_s
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
 PHASES = [(20.0, 0.25), (40.0, 0.8), (40.0, 0.2)]   # (seconds, load)
-ATTEMPTS = 2          # a second profile, cluster and probe when the first run falls outside the bands
+ATTEMPTS = 3          # another profile, cluster and probe when a run falls outside the bands
 MIN_TRACE_REQUESTS = 50   # fewer, and the p99 is the slowest request, and the probe alone may scale up
 
 
 def _within_bands(result: dict) -> bool:
-    """The latencies and the replica count within the bands the test holds them to, on a profile
-    the probe found sane (the engines in place no more than 1.25x faster or 1.5x slower: a
+    """Both sides went from one replica to two and back, and the latencies and the replica count
+    are within the bands the test holds them to, on a profile the probe found sane (the engines in place no more than 1.25x faster or 1.5x slower: a
     profile timed slow at one sequence, as one here 23% slower than the runs before and after
     it, gives a decode slowdown under 0.8)."""
     fit = result["host_fit"]
-    return (0.8 <= fit["slowdown"] <= 1.5 and 0.8 <= fit["prefill_slowdown"] <= 1.5
+    went_back = all(max(c for _, c in result[side]["replica_steps"]) == 2 and result[side]["replica_steps"][-1][1] == 1
+                    for side in ("measured", "simulated"))
+    return (went_back and 0.8 <= fit["slowdown"] <= 1.5 and 0.8 <= fit["prefill_slowdown"] <= 1.5
             and 0.5 <= result["ratio"]["p50_ttft_s"] <= 1.4 and 0.25 <= result["ratio"]["p99_ttft_s"] <= 1.5
             and 0.8 <= result["ratio"]["replica_seconds"] <= 1.2
             and result["replica_count_mean_abs_diff_over_mean"] <= 0.2
