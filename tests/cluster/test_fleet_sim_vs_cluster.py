@@ -117,6 +117,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
         if _within_bands(result):
             break
         earlier.append({k: result[k] for k in ("ratio", "replica_start_s", "host_fit")})
+        print(f"attempt {attempt} missed: {earlier[-1]['ratio']}; steps measured "       # shown when the test fails
+              f"{result['measured']['replica_steps']}, simulated {result['simulated']['replica_steps']}")
     result["earlier_attempts"] = earlier
     assert result["measured"]["not_served"] == 0 and result["simulated"]["not_served"] == 0
     # the step up made both add a replica, and both went back to one
