@@ -45,17 +45,20 @@
    step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
-   core, read by the engine's clock over the probe, the probe fitted on that host too).
+   core, read by the engine's clock over the probe, the probe fitted on that host too;
+   ``decode_one_factor``: the probe's decode fitted as one factor on its stream, no per-sequence
+   cost, ``decode_one_factor_fit``).
 
-    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,40:0.2] [--hardware PATH]
+    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,60:0.2] [--hardware PATH]
         [--seed N] [--runs K] [--repeat-cluster] [--dtype float32]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
 (simulated / measured); the issue's bar is within 20%. Beside them, the engines' step clocks
 over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
-engines busy (``engine_clocks``: the CPU share the steps got and their CPU per step;
-``fleetsim/engine_clock.py``), over the probe the one-at-a-time requests' path the clocks
+engines busy and whether a replica was starting (``engine_clocks``: the CPU share the steps got
+and their CPU per step; ``fleetsim/engine_clock.py``), over the probe the engines' steps
+(``probe_clock``: over its singles and its stream), the one-at-a-time requests' path the clocks
 measured (``probe_path_measured_s``, beside the fit's intercept) and the plane's reach
 (``plane_reach``, over the probe's stream; reported only, over the whole probe and over the
 trace), and the autoscaler's input: the demand windows the cluster's policy closed and the
@@ -201,10 +204,12 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
     simulator is (``cluster_repeat``)."""
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
+    from kvserve.fleetsim.cluster_sim import ClusterSimulator
     from kvserve.fleetsim.cluster_reads import router_stats, starting_cores
+    from kvserve.fleetsim.engine_clock import trace_clocks
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.host_fit import probe_trace
-    from kvserve.fleetsim.replay import running_steps, start_durations
+    from kvserve.fleetsim.replay import running_steps, start_durations, start_spans
     from kvserve.loader.api import default_model_path
     from kvserve.planner.model_io import model_from_gguf
 
@@ -221,10 +226,9 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
     plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
     start_s, start_cores = sum(starts) / len(starts) if starts else 0.0, starting_cores(run.changes, run.snapshots)
-    fit = fit_probe(run, probe, simulate)
+    fit, one_factor = fit_probe(run, probe, simulate), fit_probe(run, probe, simulate, per_sequence=False)
     stats = router_stats(run.stats_age_s)
-    on_fit = functools.partial(simulate, trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
-                               prefill_slowdown=fit.prefill_slowdown, router_stats=stats, lead_in=lead_in)
+    on_fit = functools.partial(simulate_on_fit, simulate, trace, fit, start_s, router_stats=stats, lead_in=lead_in)
     host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor)
     simulated, sim_steps = on_fit(host(start_cores, record=(host_record := [])), windows=(sim_windows := []))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
@@ -235,7 +239,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
         *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated),
-        ("with_plane_reach", reach_sim))}
+        ("with_plane_reach", reach_sim), ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
     again = measure() if repeat else None
     return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
@@ -244,23 +248,20 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                             windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "host_fit": fit.as_dict(), **probe_clocks,
-            "engine_clocks": engine_clocks(run.clocks, host_record, run.measured),
+            "host_fit": fit.as_dict(), "decode_one_factor_fit": one_factor.as_dict(), **probe_clocks,
+            "engine_clocks": trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes)),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
 
 
-def engine_clocks(readings: list, host_record: list, measured) -> dict:
-    """The cluster's engines' step clocks over the trace and the simulated host's steps, grouped
-    by engines busy (``fleetsim/engine_clock.py``): where the busy host slows the steps; beside
-    the replicas' first-token times, the client's (``measured``, the trace's log): the path."""
-    import math
-    from kvserve.fleetsim.engine_clock import clock_windows, measured_by_busy, simulated_by_busy
-    first_tokens = [(first, first - sent) for sent, first in zip(measured.arrival, measured.first_token_s)
-                    if not math.isnan(first)]
-    return {"measured": measured_by_busy(clock_windows(readings), first_tokens),
-            "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
+def simulate_on_fit(simulate, trace, fit, start_s: float, host=None, fitted=None, **kwargs):
+    """``trace`` through ``simulate`` (``cluster_sim.ClusterSimulator``) on the probe's ``fitted``
+    host (``host_fit.HostFit``; None: ``fit``) on ``host`` (``host_cpu.SharedHost``), its
+    replicas starting in ``start_s``."""
+    fitted = fitted or fit
+    return simulate(trace, fitted.slowdown, fitted.seq_extra_s, start_s, fitted.path_latency_s, host,
+                    prefill_slowdown=fitted.prefill_slowdown, **kwargs)
 
 
 def repeat_record(compared: dict) -> dict:
@@ -310,15 +311,22 @@ def reached(run, probe, simulate, host, start_s: float, start_cores: float, comm
     the whole probe, ``plane_reach_whole_probe``, and over the trace, ``plane_reach_over_trace``); and the trace
     simulated on a host with the probe's reach (``SharedHost(reach=)``, ``host`` without it), the
     probe fitted on that host too, so that the fit's factors hold only what the host does not
-    (``plane_reach_fit``): (those figures, (the simulated log, steps))."""
-    from kvserve.fleetsim.engine_clock import plane_reach, singles_path
+    (``plane_reach_fit``); the engines' steps over the probe's singles and over its stream
+    (``probe_clock``: ``engine_clock.span_clock``) and its requests' measured TTFT and TPOT
+    (``probe_measured``: a fit can be redone from the JSON): (those figures, (the simulated log,
+    steps))."""
+    from kvserve.fleetsim.engine_clock import plane_reach, singles_path, span_clock
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS
-    reach = plane_reach(run.probe_clocks, run.probed, run.plane, since=probe.arrival[len(SINGLE_PROMPTS)])
+    stream_start = probe.arrival[len(SINGLE_PROMPTS)]
+    reach = plane_reach(run.probe_clocks, run.probed, run.plane, since=stream_start)
     fit = fit_probe(run, probe, simulate, host=lambda: host(0.0, reach=reach or 0.0))
     sim = simulate(trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
                    host(start_cores, reach=reach or 0.0), prefill_slowdown=fit.prefill_slowdown, **common)
     return {"probe_path_measured_s": rounded(singles_path(run.probe_clocks, run.probed, len(SINGLE_PROMPTS))),
             "plane_reach": rounded(reach), "plane_reach_fit": fit.as_dict(),
+            "probe_clock": {"singles": span_clock(run.probe_clocks, 0.0, stream_start),
+                            "stream": span_clock(run.probe_clocks, stream_start)},
+            "probe_measured": {k: [rounded(float(v)) for v in run.probed.arrays()[k]] for k in ("ttft_s", "tpot_s")},
             "plane_reach_whole_probe": rounded(plane_reach(run.probe_clocks, run.probed, run.plane)),
             "plane_reach_over_trace": rounded(plane_reach(run.clocks, run.measured, run.plane))}, sim
 
@@ -332,16 +340,17 @@ def window_record(measured: list, simulated: list, headroom: float) -> dict:
             "window_loads": compare_windows(measured, simulated, 1.0 / headroom)}
 
 
-def fit_probe(run, probe, simulate, host=None):
-    """The host's fit (``host_fit.fit_host``) to the probe ``run`` measured, the probe simulated
-    by ``simulate`` (``ClusterSimulator``) on the cluster's clock (it was sent ``probe_lead_s``
-    before the trace), on a fresh ``host()`` each time (None: unshared; the fit then holds what
-    the probe's host took from the engine)."""
+def fit_probe(run, probe, simulate, host=None, per_sequence: bool = True):
+    """The host's fit (``host_fit.fit_host``; without ``per_sequence``, one decode factor fitted on
+    the stream) to the probe ``run`` measured, the probe simulated by ``simulate``
+    (``cluster_sim.ClusterSimulator``) on the cluster's clock (it was sent ``probe_lead_s`` before
+    the trace), on a fresh ``host()`` each time (None: unshared; the fit then holds what the
+    probe's host took from the engine)."""
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS, fit_host
     clock = simulate.clock.on_clock_from(-run.probe_lead_s)
     return fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill,
                                                                         clock=clock, host=host and host())[0],
-                    one_at_a_time=len(SINGLE_PROMPTS))
+                    one_at_a_time=len(SINGLE_PROMPTS), per_sequence=per_sequence)
 
 
 @dataclass
@@ -416,43 +425,6 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
                       contention, clocks.readings, probe_clocks.readings)
 
 
-class ClusterSimulator:
-    """``sim(log, slowdown, seq_extra_s=0, start_s=0, path_latency_s=0, host=None,
-    prefill_slowdown=None)``: ``log`` through the simulated deployment (the cluster's settings) on
-    the hardware entry slowed by ``slowdown``, ``seq_extra_s`` and ``prefill_slowdown``
-    (``host_fit.slowed``) on ``host`` (``host_cpu.SharedHost``), its autoscaler reading and
-    deciding on ``clock`` (``cluster_check.DecisionClock``; default: the cluster's, given at
-    construction): (the filled log, the serving replica count's steps); ``windows``: a list the
-    autoscaler's closed demand windows are added to (``simulate_autoscaled``)."""
-
-    def __init__(self, hw_path: str, args, settings, clock):
-        from kvserve.loader.api import default_model_path
-        from kvserve.planner.hardware import load_hardware_file
-        from kvserve.planner.model_io import model_from_gguf
-        self.hw, self.model = load_hardware_file(hw_path), model_from_gguf(default_model_path())
-        self.args, self.settings, self.clock = args, settings, clock
-
-    def cost(self, slowdown: float, seq_extra_s: float = 0.0, prefill_slowdown: float | None = None):
-        from kvserve.fleetsim.host_fit import slowed
-        from kvserve.planner.dtypes import kv_dtype, weight_dtype
-        from kvserve.planner.roofline import cost_model
-        wdtype = dict(self.hw.calibration).get("weight_dtype", "bf16")
-        return cost_model(self.model, slowed(self.hw, slowdown, seq_extra_s, prefill_slowdown), weight_dtype(wdtype),
-                          kv_dtype(wdtype), 1)
-
-    def __call__(self, log, slowdown: float, seq_extra_s: float = 0.0, start_s: float = 0.0,
-                 path_latency_s: float = 0.0, host=None, prefill_slowdown: float | None = None,
-                 router_stats: tuple[float, float] | None = None, lead_in=None, clock=None, windows=None):
-        from kvserve.fleetsim.cluster_check import simulate_autoscaled
-        cm = self.cost(slowdown, seq_extra_s, prefill_slowdown)
-        kv_tokens = int(KV_CACHE_GIB * 2**30 / cm.kv_bytes_per_token)
-        from kvserve.cluster.admission import fleet_slots
-        slots = fleet_slots(self.settings.max_replicas, self.args.max_num_seqs, self.args.queue_wait_s)
-        return simulate_autoscaled(log, cm, self.args.max_num_seqs, self.args.max_num_batched_tokens, kv_tokens,
-                                   self.settings, start_s, path_latency_s, slots, self.args.queue_wait_s, host,
-                                   router_stats, lead_in, clock or self.clock, windows)
-
-
 def parse_phases(text: str) -> list[tuple[float, float]]:
     """``SECONDS:LOAD,...``."""
     return [tuple(float(x) for x in part.split(":", 1)) for part in text.split(",")]
@@ -460,9 +432,9 @@ def parse_phases(text: str) -> list[tuple[float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", type=parse_phases, default=parse_phases("20:0.25,40:0.8,40:0.2"),
+    parser.add_argument("--phases", type=parse_phases, default=parse_phases("20:0.25,40:0.8,60:0.2"),
                         help="SECONDS:LOAD,... where a load of 1 is one replica's planned capacity "
-                             "(default 20:0.25,40:0.8,40:0.2)")
+                             "(default 20:0.25,40:0.8,60:0.2)")
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto",

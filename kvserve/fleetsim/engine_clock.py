@@ -125,16 +125,23 @@ def _busy(windows: list[dict], busy_at_least: float) -> list[dict]:
     return [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
 
 
+STARTING = " + a start"       # the suffix of a group whose windows (or steps) had a replica starting
+
+
 def measured_by_busy(windows: list[dict], first_tokens: list[tuple[float, float]] = (),
-                     busy_at_least: float = BUSY_AT_LEAST) -> dict[str, dict]:
+                     busy_at_least: float = BUSY_AT_LEAST, starts: list[tuple[float, float]] = ()) -> dict[str, dict]:
     """The windows grouped by how many replicas were busy over them (``"0"``, ``"1"``, ``"2"``,
-    ...): the busy replicas' median CPU share and CPU ms per step; the mean first-token time the
-    replicas timed and, from ``first_tokens`` (the client's (first token's time, TTFT) per
-    request, on the readings' clock) ending in the same windows, the client's and its excess
-    over the replicas' (``path_s``: the serving path's hops, both ways)."""
+    ...; ``"1 + a start"`` where a window overlaps one of ``starts``, the (asked, running) spans
+    of the replicas' starts on the readings' clock): the busy replicas' median CPU share and CPU
+    ms per step; the mean first-token time the replicas timed and, from ``first_tokens`` (the
+    client's (first token's time, TTFT) per request, on the readings' clock) ending in the same
+    windows, the client's and its excess over the replicas' (``path_s``: the serving path's hops,
+    both ways)."""
     groups: dict[str, list[tuple[tuple[float, float], list[dict]]]] = {}
-    for span, span_windows in _by_span(windows).items():
-        groups.setdefault(str(len(_busy(span_windows, busy_at_least))), []).append((span, span_windows))
+    for (start, end), span_windows in _by_span(windows).items():
+        starting = any(asked < end and start < running for asked, running in starts)
+        key = str(len(_busy(span_windows, busy_at_least))) + (STARTING if starting else "")
+        groups.setdefault(key, []).append(((start, end), span_windows))
     return {n: _group_figures(members, first_tokens, busy_at_least) for n, members in sorted(groups.items())}
 
 
@@ -154,16 +161,50 @@ def _group_figures(members: list, first_tokens, busy_at_least: float) -> dict:
     return figures
 
 
-def simulated_by_busy(record: list[tuple[float, int, float, float]]) -> dict[str, dict]:
+def simulated_by_busy(record: list[tuple[float, int, float, float, int]]) -> dict[str, dict]:
     """``SharedHost``'s record (each step: time, engines busy, the cores' factor, the whole
-    factor) grouped by engines busy: the CPU share a one-thread engine's steps get (1 / the
+    factor, replicas starting) grouped by engines busy (``"1 + a start"`` while a replica
+    started, as ``measured_by_busy``): the CPU share a one-thread engine's steps get (1 / the
     cores' factor), the rest of the factor (memory contention), steps' mean."""
     groups: dict[str, list[tuple[float, float]]] = {}
-    for _, busy, cores_factor, factor in record:
-        groups.setdefault(str(busy), []).append((cores_factor, factor))
+    for _, busy, cores_factor, factor, starting in record:
+        groups.setdefault(str(busy) + (STARTING if starting else ""), []).append((cores_factor, factor))
     return {n: {"cpu_share": round(statistics.fmean(1.0 / c for c, _ in rows), 3),
                 "cpu_per_step_factor": round(statistics.fmean(f / c for c, f in rows), 3), "steps": len(rows)}
             for n, rows in sorted(groups.items())}
+
+
+def trace_clocks(readings: list[ClockReading], host_record: list, measured,
+                 starts: list[tuple[float, float]] = ()) -> dict:
+    """The cluster's engines' step clocks over a trace and the simulated host's steps, grouped by
+    engines busy and whether a replica was starting (``starts``: the measured starts' spans;
+    ``measured_by_busy``, ``simulated_by_busy``: where the busy host slows the steps); beside the
+    replicas' first-token times, the client's (``measured``, the trace's log, on the readings'
+    clock): the path."""
+    first_tokens = [(first, first - sent) for sent, first in zip(measured.arrival, measured.first_token_s)
+                    if not math.isnan(first)]
+    return {"measured": measured_by_busy(clock_windows(readings), first_tokens, starts=starts),
+            "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
+
+
+def span_clock(readings: list[ClockReading], start: float, end: float = math.inf) -> dict | None:
+    """All replicas' steps between the first reading at or after ``start`` and the last at or
+    before ``end``: the ``seconds`` between them, the ``steps``, the share of the span some engine
+    stepped (``busy``: their wall over the seconds, summed over replicas), the ``cpu_share`` of
+    the steps and their wall and CPU ms per step (None without a step); None without two readings."""
+    inside = [r for r in readings if start <= r.t <= end]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+
+    def delta(field: str) -> float:
+        return sum(getattr(now, field) - getattr(first.replicas.get(name, ReplicaClock()), field)
+                   for name, now in last.replicas.items())
+    seconds, wall, cpu, steps = last.t - first.t, delta("wall_s"), delta("cpu_s"), delta("steps")
+    return {"seconds": round(seconds, 2), "steps": int(steps), "busy": round(wall / seconds, 3),
+            "cpu_share": round(cpu / wall, 3) if wall > 0 else None,
+            "wall_ms_per_step": round(1e3 * wall / steps, 2) if steps else None,
+            "cpu_ms_per_step": round(1e3 * cpu / steps, 2) if steps else None}
 
 
 def streamed_tokens(log, start: float, end: float) -> float:

@@ -49,7 +49,9 @@ evenly over the cores. It is measured in place from the engine's step clock over
 stream (``engine_clock.plane_reach``): on a two-core EPYC one busy engine's steps got 0.83-0.90
 of a core over a trace where the balance above gives 0.94-0.97; the probe read a reach of
 0.09-0.11 there, the trace 0.21-0.27 (docs/fleet_simulator.md), so the check plays it as a
-variant only.
+variant only. Most of that gap was the windows with a replica starting: apart from them one
+busy engine got 0.94-0.98 of its core over the trace (0.93-0.96 over the probe's stream), and
+0.82 while a replica started (this model: 0.72-0.88).
 
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
 say when they are busy and at what token rate, the deployment when one starts and when it
@@ -187,7 +189,7 @@ class SharedHost:
 
     def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None,
                  contention: float = 1.0, record: list | None = None, reach: float = 0.0):
-        self.record = record                       # if a list: (time, engines busy, cores' factor, factor) per step
+        self.record = record     # if a list: (time, engines busy, cores' factor, factor, replicas starting) per step
         self.reach = min(max(0.0, reach), 0.9 / max(plane.background_cores, 1e-9), 1.0)   # 1 - r b > 0
         self.cores = cores
         self.contention = max(1.0, contention)       # a neighbour never speeds a step up
@@ -257,5 +259,5 @@ class SharedHost:
         cores = self.cores_factor()
         factor = self._with_contention(cores)
         if self.record is not None:
-            self.record.append((now, len(self._rates), cores, factor))
+            self.record.append((now, len(self._rates), cores, factor, len(self._starting)))
         return factor * (self.drift.at(now) if self.drift is not None else 1.0)

@@ -96,12 +96,23 @@ def _tpot(log: RequestLog, one_at_a_time: int) -> tuple[float, float]:
     return float(np.median(tpot[:one_at_a_time])), float(np.median(tpot[one_at_a_time:]))
 
 
+def _fit_on_batch(batch_tpot: float, simulate: Callable[[float, float], RequestLog], one_at_a_time: int,
+                  slowdown: float, rounds: int) -> float:
+    """The one decode factor (no per-sequence extra) whose simulated batch TPOT median is
+    ``batch_tpot``: ``rounds`` ratio steps from ``slowdown``."""
+    for _ in range(rounds):
+        slowdown *= batch_tpot / _tpot(simulate(slowdown, 0.0), one_at_a_time)[1]
+    return slowdown
+
+
 def _fit_decode(target: np.ndarray, simulate: Callable[[float, float], RequestLog], one_at_a_time: int,
-                rounds: int) -> tuple[float, float]:
+                rounds: int, per_sequence: bool = True) -> tuple[float, float]:
     """(slowdown, seq_extra_s) whose simulated TPOT medians (one sequence, the batch) are ``target``:
     Newton steps on the Jacobian measured by finite differences (a step is about ``slowdown x
     profile + sequences x seq_extra_s``, where the batch's sequences per step depend on how its
-    requests arrive)."""
+    requests arrive); without ``per_sequence``, one factor fitted on the batch (extra 0)."""
+    if not per_sequence:
+        return _fit_on_batch(float(target[1]), simulate, one_at_a_time, 1.0, rounds + 1), 0.0
     slowdown, extra = 1.0, 0.0
     for _ in range(rounds + 1):
         at = np.array(_tpot(simulate(slowdown, extra), one_at_a_time))
@@ -112,7 +123,7 @@ def _fit_decode(target: np.ndarray, simulate: Callable[[float, float], RequestLo
         step = np.linalg.solve(jacobian, residual)
         slowdown, extra = slowdown + float(step[0]), extra + float(step[1])
         if extra < 0:     # the batch is no dearer than the profile says: one factor, fitted on the batch
-            slowdown, extra = slowdown * target[1] / _tpot(simulate(slowdown, 0.0), one_at_a_time)[1], 0.0
+            slowdown, extra = _fit_on_batch(float(target[1]), simulate, one_at_a_time, slowdown, 1), 0.0
     return slowdown, extra
 
 
@@ -146,11 +157,12 @@ def _fit_prefill(measured_ttft: np.ndarray, simulate: Callable[[float], RequestL
 
 
 def fit_host(measured: RequestLog, simulate: Callable[[float, float, float], RequestLog], one_at_a_time: int,
-             rounds: int = 3) -> HostFit:
+             rounds: int = 3, per_sequence: bool = True) -> HostFit:
     """Fit ``HostFit`` from the probe's measured log and ``simulate(slowdown, seq_extra_s,
     prefill_slowdown)``, the same probe simulated on the hardware entry ``slowed`` by those; the
     first ``one_at_a_time`` requests are the unqueued ones (of at least two prompt lengths), the
-    rest one batch. Decode and prefill are fitted in turn, twice (the module docstring)."""
+    rest one batch. Decode and prefill are fitted in turn, twice (the module docstring); without
+    ``per_sequence`` the decode is one factor fitted on the batch (``seq_extra_s`` 0)."""
     got = measured.arrays()
     if np.isnan(got["ttft_s"]).any():
         raise RuntimeError("the probe was not fully served: the cluster is not healthy")
@@ -162,7 +174,7 @@ def fit_host(measured: RequestLog, simulate: Callable[[float, float, float], Req
     prefill = None                          # first round: prefill slowed as decode is
     for _ in range(2):
         slowdown, extra = _fit_decode(target, lambda f, e: simulate(f, e, f if prefill is None else prefill),
-                                      one_at_a_time, rounds)
+                                      one_at_a_time, rounds, per_sequence)
         prefill, path = _fit_prefill(measured_ttft, lambda p: simulate(slowdown, extra, p), one_at_a_time,
                                      slowdown if prefill is None else prefill, rounds)
     fitted = simulate(slowdown, extra, prefill)

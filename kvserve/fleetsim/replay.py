@@ -193,3 +193,8 @@ def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
     """Seconds from a replica appearing as STARTING (or PENDING_*) to the RUNNING count growing:
     each scale-up's measured start, as the poll saw it (within ``POLL_EVERY_S``)."""
     return [changes[end][0] - changes[begin][0] for begin, end in start_windows(changes)]
+
+
+def start_spans(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[float, float]]:
+    """Each scale-up's start as (asked, running) on the changes' clock (``start_windows``)."""
+    return [(changes[begin][0], changes[end][0]) for begin, end in start_windows(changes)]

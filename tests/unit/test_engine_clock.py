@@ -2,7 +2,8 @@
 import pytest
 
 from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, measured_by_busy, parse_clocks,
-                                           plane_reach, simulated_by_busy, singles_path, streamed_tokens)
+                                           plane_reach, simulated_by_busy, singles_path, span_clock,
+                                           streamed_tokens)
 from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost
 
 METRICS = """# HELP kvserve_engine_step_seconds_total Wall seconds the engine's steps took.
@@ -60,18 +61,31 @@ def test_an_idle_replica_is_not_a_busy_one():
 
 def test_the_simulated_host_records_each_steps_cores_and_contention():
     record = []
-    host = SharedHost(2, 1, PlaneFit(0.2, 0.004), contention=1.05, record=record)
+    host = SharedHost(2, 1, PlaneFit(0.2, 0.004), start_cores=0.8, contention=1.05, record=record)
     host.busy("a", 100.0)
     alone = host.step_factor(0.0)
     host.busy("b", 100.0)
     both = host.step_factor(1.0)
-    assert record[0] == (0.0, 1, alone, alone) and alone == pytest.approx(1.0)
-    _, busy, cores, factor = record[1]
+    assert record[0] == (0.0, 1, alone, alone, 0) and alone == pytest.approx(1.0)
+    _, busy, cores, factor, _ = record[1]
     assert busy == 2 and cores > 1.0 and factor == pytest.approx(cores + 0.05)
     summary = simulated_by_busy(record)
     assert summary["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1}
     assert summary["2"]["cpu_share"] == pytest.approx(1 / cores, abs=1e-3)
     assert summary["2"]["cpu_per_step_factor"] == pytest.approx(1 + 0.05 / cores, abs=1e-3)
+    host.idle("b")
+    host.starting("c")                              # a start takes its cores: the steps meanwhile apart
+    starting = host.step_factor(2.0)
+    assert record[2][4] == 1 and starting > alone
+    assert simulated_by_busy(record)["1 + a start"]["cpu_share"] == pytest.approx(1 / starting, abs=1e-3)
+
+
+def test_windows_that_overlap_a_start_are_grouped_apart():
+    readings = [reading(0.0, a=(0, 0, 0)), reading(2.0, a=(2.0, 1.9, 20)), reading(4.0, a=(4.0, 3.2, 40)),
+                reading(6.0, a=(6.0, 5.0, 60))]
+    by_busy = measured_by_busy(clock_windows(readings), starts=[(2.5, 3.5)])
+    assert by_busy["1"]["busy_windows"] == 2 and by_busy["1"]["cpu_share"] == pytest.approx(0.925)
+    assert by_busy["1 + a start"]["busy_windows"] == 1 and by_busy["1 + a start"]["cpu_share"] == 0.65
 
 
 def test_streamed_tokens_spread_each_output_from_its_first_token_to_its_last():
@@ -117,3 +131,19 @@ def test_the_singles_path_is_their_client_ttft_less_the_replicas_once_all_of_the
                 reading(4.0, a=(2, 2, 20, 1.6, 4)), reading(7.0, a=(3, 3, 30, 1.75, 5))]
     assert singles_path(readings, log, 2) == pytest.approx(0.35 - 0.3)
     assert singles_path(readings[:2], log, 2) is None and singles_path([], log, 2) is None
+
+
+def test_a_span_sums_every_replicas_steps_between_its_readings():
+    readings = [reading(0.0, a=(1, 1, 10)), reading(1.0, a=(1.5, 1.4, 15)),
+                reading(3.0, a=(3.0, 2.6, 30), b=(0.4, 0.3, 4)), reading(5.0, a=(3.0, 2.6, 30), b=(1.4, 1.1, 14))]
+    span = span_clock(readings, 0.5)        # from the reading at 1.0 to the last; b counted from zero
+    assert span["seconds"] == 4.0 and span["steps"] == 15 + 14 and span["busy"] == pytest.approx((1.5 + 1.4) / 4, abs=1e-3)
+    assert span["cpu_share"] == pytest.approx((1.2 + 1.1) / 2.9, abs=1e-3)
+    assert span["wall_ms_per_step"] == pytest.approx(1e3 * 2.9 / 29, abs=0.01)
+    assert span["cpu_ms_per_step"] == pytest.approx(1e3 * 2.3 / 29, abs=0.01)
+    singles = span_clock(readings, 0.0, 1.0)
+    assert singles["steps"] == 5 and singles["cpu_share"] == pytest.approx(0.8)
+    quiet = span_clock(readings, 3.0, 3.5)      # one reading: no span
+    assert quiet is None
+    idle = span_clock([reading(0.0, a=(1, 1, 1)), reading(2.0, a=(1, 1, 1))], 0.0)
+    assert idle["steps"] == 0 and idle["busy"] == 0.0 and idle["wall_ms_per_step"] is None and idle["cpu_share"] is None

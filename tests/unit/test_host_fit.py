@@ -122,3 +122,16 @@ def test_a_batch_cheaper_than_the_profile_says_is_fitted_on_the_batch():
     assert fit.seq_extra_s == 0.0
     assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
     assert fit.measured_tpot_s > fit.profile_tpot_s * fit.slowdown * 1.01      # the singles are left slower
+
+
+def test_without_per_sequence_cost_one_factor_is_fitted_on_the_stream():
+    # a host whose sequences cost 4 ms extra each: one factor must cover it on the batch, where the
+    # singles then come out faster than measured
+    probe = probe_trace(10, batch_gap_s=0.02)
+    measured = _simulate(probe, 1.2, 0.05, 0.004, 1.2)
+    fit = fit_host(measured, lambda f, e, p: _simulate(probe, f, 0.0, e, p), one_at_a_time=4, per_sequence=False)
+    assert fit.seq_extra_s == 0.0 and fit.slowdown > 1.2
+    assert fit.fitted_batch_tpot_s == pytest.approx(fit.measured_batch_tpot_s, rel=1e-3)
+    assert fit.profile_tpot_s * fit.slowdown > fit.measured_tpot_s * 1.01    # the singles come out slower
+    full = fit_host(measured, lambda f, e, p: _simulate(probe, f, 0.0, e, p), one_at_a_time=4)
+    assert full.seq_extra_s == pytest.approx(0.004, abs=5e-5) and full.slowdown == pytest.approx(1.2, rel=1e-3)
