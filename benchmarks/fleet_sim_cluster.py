@@ -49,7 +49,7 @@
    ``decode_one_factor``: the probe's decode fitted as one factor on its stream, no per-sequence
    cost, ``decode_one_factor_fit``).
 
-    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 20:0.25,40:0.8,60:0.2] [--hardware PATH]
+    .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 35:0.25,40:0.8,60:0.2] [--hardware PATH]
         [--seed N] [--runs K] [--repeat-cluster] [--dtype float32]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
@@ -432,9 +432,9 @@ def parse_phases(text: str) -> list[tuple[float, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--phases", type=parse_phases, default=parse_phases("20:0.25,40:0.8,60:0.2"),
+    parser.add_argument("--phases", type=parse_phases, default=parse_phases("35:0.25,40:0.8,60:0.2"),
                         help="SECONDS:LOAD,... where a load of 1 is one replica's planned capacity "
-                             "(default 20:0.25,40:0.8,60:0.2)")
+                             "(default 35:0.25,40:0.8,60:0.2)")
     parser.add_argument("--hardware", default=None, help="a saved hardware entry (default: profile now)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", default="auto",

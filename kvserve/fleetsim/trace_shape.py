@@ -2,7 +2,7 @@
 
 The check against the local cluster (``benchmarks/fleet_sim_cluster.py``) has time scales that do
 not move with the host: Ray's scaling decisions every ~6 s, 5 s demand windows, a replica start
-of 8-18 s, a 120 s trace in phases of 20, 40 and 60 s, a probe stream of ten requests 0.25 s apart.
+of 8-18 s, a 135 s trace in phases of 35, 40 and 60 s, a probe stream of ten requests 0.25 s apart.
 Its loads are fractions of one replica's planned capacity, so the autoscaler's decisions do
 not move with the host either; but the number of requests in the trace does. With requests of
 128 / 24 tokens a replica on the AVX-512 Xeon served 1.5-1.8 of them a second (69-81 in the

@@ -5,8 +5,8 @@ The machine is profiled (``kvserve profile --quick --threads 1``, best of two ro
 its fit swung from run to run, and a profile a third slow at one sequence gave the cluster a
 decode slowdown of 0.75, under the bound below), once the host is quiet; ``kvserve cluster
 serve --autoscale tokens`` (1 to 2 replicas of the default model, one thread each, the capacity
-planned on that profile, headroom factor 1.5) takes a 120 s open-loop trace whose load steps
-0.25 -> 0.8 -> 0.2 of one replica's planned capacity (20, 40 and 60 s) (x 1.5: 0.38 -> 1.2 -> 0.3 replicas, so
+planned on that profile, headroom factor 1.5) takes a 135 s open-loop trace whose load steps
+0.25 -> 0.8 -> 0.2 of one replica's planned capacity (35, 40 and 60 s) (x 1.5: 0.38 -> 1.2 -> 0.3 replicas, so
 one, two, one), streamed through the ingress, while ``/cluster/status`` is polled; the simulator
 plays the same requests with the cluster's limits and autoscaling settings, the profile's step
 times, Ray's decision rhythm and the replica start the cluster took.
@@ -54,7 +54,7 @@ amplifies every difference in service time and in the moment of the scale-up, th
 moves from run to run, and p99 of 69-81 requests is their slowest one or two (0.41x-1.34x over
 ten runs; pooled over five traces 0.54x, the cluster decoding slower under the trace than its
 probe in three of them; docs/fleet_simulator.md).
-The check's time scales (a 120 s trace in phases of 20, 40 and 60 s, a probe of ten requests 0.25 s
+The check's time scales (a 135 s trace in phases of 35, 40 and 60 s, a probe of ten requests 0.25 s
 apart, 5 s demand windows) were set on a host whose replica serves ~1.6-1.8 of the trace's
 requests a second (69-81 requests in the trace). On the AVX2 EPYC (a batch of four steps in
 ~145 ms, 0.57 requests/s) the trace held 22 requests and the probe alone, 17 s of one replica's
@@ -69,7 +69,12 @@ out 2.5x the simulator's, a host slower over the trace than over the probe a min
 The last phase was 40 s until the AVX-512 EPYC: both sides come down to one replica about 30 s
 after the load drops (a 5 s demand window, the 20 s down-scaling window, Ray's ~6 s decision
 rhythm), at 74-91 s in nine runs there and up to 100 s in earlier ones, and a CI run ended with a
-side still at two. At 60 s the check ends ~30 s after the usual scale-down.
+side still at two. At 60 s the check ends ~30 s after the usual scale-down. The first phase was
+20 s: the probe's stream scales both sides up just before the trace, and they drop that replica
+again 22-26 s into the trace, as the step's first windows close: in two runs of eight the
+simulator read the step first and kept it, the cluster dropped it and served the step on one
+replica for 20 s (TTFT p50 0.68x and 0.78x). At 35 s the probe's replica has gone ~10 s before
+the step.
 When the latencies or the count fall outside their bands, either side did not go from one
 replica to two and back, or the probe's fit finds the profile off (a decode or prefill slowdown
 outside 0.8-1.5), the check runs again, with a new profile, cluster and probe, up to three times
@@ -87,7 +92,7 @@ from benchmarks.fleet_sim_cluster import check, profile, trace_requests, trace_s
 
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
-PHASES = [(20.0, 0.25), (40.0, 0.8), (60.0, 0.2)]   # (seconds, load); the last phase: the module docstring
+PHASES = [(35.0, 0.25), (40.0, 0.8), (60.0, 0.2)]   # (seconds, load); the first and last: the module docstring
 ATTEMPTS = 3          # another profile, cluster and probe when a run falls outside the bands
 MIN_TRACE_REQUESTS = 50   # fewer, and the p99 is the slowest request, and the probe alone may scale up
 
