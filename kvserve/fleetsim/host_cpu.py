@@ -50,8 +50,8 @@ stream (``engine_clock.plane_reach``): on a two-core EPYC one busy engine's step
 of a core over a trace where the balance above gives 0.94-0.97; the probe read a reach of
 0.09-0.11 there, the trace 0.21-0.27 (docs/fleet_simulator.md), so the check plays it as a
 variant only. Most of that gap was the windows with a replica starting: apart from them one
-busy engine got 0.94-0.98 of its core over the trace (0.93-0.96 over the probe's stream), and
-0.82 while a replica started (this model: 0.72-0.88).
+busy engine got 0.94-0.98 of its core over the trace in four runs of five (0.87 in the fifth;
+0.92-0.97 over the probe's stream), and 0.82 while a replica started (this model: 0.72-0.88).
 
 ``SharedHost`` is that host in the simulator: the replicas on it (``SchedulerReplica(host=)``)
 say when they are busy and at what token rate, the deployment when one starts and when it
