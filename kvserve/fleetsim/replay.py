@@ -192,7 +192,7 @@ def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int
 def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
     """Seconds from a replica appearing as STARTING (or PENDING_*) to the RUNNING count growing:
     each scale-up's measured start, as the poll saw it (within ``POLL_EVERY_S``)."""
-    return [changes[end][0] - changes[begin][0] for begin, end in start_windows(changes)]
+    return [running - asked for asked, running in start_spans(changes)]
 
 
 def start_spans(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[float, float]]:

@@ -6,8 +6,8 @@ its fit swung from run to run, and a profile a third slow at one sequence gave t
 decode slowdown of 0.75, under the bound below), once the host is quiet; ``kvserve cluster
 serve --autoscale tokens`` (1 to 2 replicas of the default model, one thread each, the capacity
 planned on that profile, headroom factor 1.5) takes a 135 s open-loop trace whose load steps
-0.25 -> 0.8 -> 0.2 of one replica's planned capacity (35, 40 and 60 s) (x 1.5: 0.38 -> 1.2 -> 0.3 replicas, so
-one, two, one), streamed through the ingress, while ``/cluster/status`` is polled; the simulator
+0.25 -> 0.8 -> 0.2 of one replica's planned capacity over 35, 40 and 60 s (x 1.5: 0.38 -> 1.2 ->
+0.3 replicas, so one, two, one), streamed through the ingress, while ``/cluster/status`` is polled; the simulator
 plays the same requests with the cluster's limits and autoscaling settings, the profile's step
 times, Ray's decision rhythm and the replica start the cluster took.
 
@@ -99,9 +99,9 @@ MIN_TRACE_REQUESTS = 50   # fewer, and the p99 is the slowest request, and the p
 
 def _within_bands(result: dict) -> bool:
     """Both sides went from one replica to two and back, and the latencies and the replica count
-    are within the bands the test holds them to, on a profile the probe found sane (the engines in place no more than 1.25x faster or 1.5x slower: a
-    profile timed slow at one sequence, as one here 23% slower than the runs before and after
-    it, gives a decode slowdown under 0.8)."""
+    are within the bands the test holds them to, on a profile the probe found sane (the engines
+    in place no more than 1.25x faster or 1.5x slower: a profile timed slow at one sequence, as
+    one here 23% slower than the runs before and after it, gives a decode slowdown under 0.8)."""
     fit = result["host_fit"]
     went_back = all(max(c for _, c in result[side]["replica_steps"]) == 2 and result[side]["replica_steps"][-1][1] == 1
                     for side in ("measured", "simulated"))
@@ -120,8 +120,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
         if attempt == 0 and (requests := trace_requests(PHASES, shape)) < MIN_TRACE_REQUESTS:
             pytest.skip(f"this host's replica is planned at so few requests/s, even with requests of "
                         f"{shape.prompt_tokens} / {shape.output_tokens} tokens, that the check's "
-                        f"{sum(s for s, _ in PHASES):.0f} s trace would hold {requests:.0f} requests (at least {MIN_TRACE_REQUESTS}): its probe alone would "
-                        "scale the cluster up, its p99 would be one request (docs/fleet_simulator.md)")
+                        f"{sum(s for s, _ in PHASES):.0f} s trace would hold {requests:.0f} requests (at least "
+                        f"{MIN_TRACE_REQUESTS}): its probe alone would scale the cluster up, its p99 would be one request (docs/fleet_simulator.md)")
         result, *_ = check(hardware, PHASES, shape=shape)
         if _within_bands(result):
             break

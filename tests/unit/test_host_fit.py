@@ -126,7 +126,7 @@ def test_a_batch_cheaper_than_the_profile_says_is_fitted_on_the_batch():
 
 def test_without_per_sequence_cost_one_factor_is_fitted_on_the_stream():
     # a host whose sequences cost 4 ms extra each: one factor must cover it on the batch, where the
-    # singles then come out faster than measured
+    # singles then come out slower than measured
     probe = probe_trace(10, batch_gap_s=0.02)
     measured = _simulate(probe, 1.2, 0.05, 0.004, 1.2)
     fit = fit_host(measured, lambda f, e, p: _simulate(probe, f, 0.0, e, p), one_at_a_time=4, per_sequence=False)
