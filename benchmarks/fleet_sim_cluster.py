@@ -196,13 +196,13 @@ def trace_requests(phases: list[tuple[float, float]], shape) -> float:
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False,
-          dtype: str = "auto", shape=None) -> tuple[dict, object, object, object | None]:
+          dtype: str = "auto", shape=None, start_probe: bool = False) -> tuple[dict, object, object, object | None]:
     """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
     turns into rates, simulate both, compare (the module docstring): (the comparison, the
     measured log, the simulated log, the second cluster's log or None), the requests of
     ``shape`` (None: ``trace_shape`` on ``hw_path``), the engines' weights in ``dtype``. With
     ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
-    simulator is (``cluster_repeat``)."""
+    simulator is (``cluster_repeat``); ``start_probe``: ``measure_cluster``'s, for a variant."""
     from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.cluster_sim import ClusterSimulator
     from kvserve.fleetsim.cluster_reads import router_stats, starting_cores
@@ -220,7 +220,8 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     trace = phased_trace(rates, *lengths, seed)
     probe = probe_trace(**PROBE_STREAM, prompt_tokens=lengths[0], output_tokens=lengths[1], gap_s=shape.singles_gap_s)
     measure = functools.partial(measure_cluster, flags, trace, probe, model_from_gguf(default_model_path()).vocab_size,
-                                seed, threads=args.threads, workload=(args.max_num_seqs, *lengths), dtype=dtype)
+                                seed, threads=args.threads, workload=(args.max_num_seqs, *lengths), dtype=dtype,
+                                start_probe=start_probe)
     run = measure()
     estimated = ray_decision_timing(demand_window_s)
     simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
@@ -238,7 +239,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                                       dict(router_stats=stats, lead_in=lead_in), trace)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated),
+        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated, run.start_contention),
         ("with_plane_reach", reach_sim), ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
     again = measure() if repeat else None
     return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
@@ -271,10 +272,14 @@ def repeat_record(compared: dict) -> dict:
             "replica_count_mean_abs_diff_over_mean": compared["replica_count_mean_abs_diff_over_mean"]}
 
 
-def one_part_changed(on_fit, host, start_cores: float, drift, clock, estimated) -> list[tuple[str, tuple]]:
+def one_part_changed(on_fit, host, start_cores: float, drift, clock, estimated,
+                     start_contention=None) -> list[tuple[str, tuple]]:
     """The simulation on the probe's fit with one part changed (the module docstring's list):
-    (name, the simulated log and steps)."""
-    return [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
+    (name, the simulated log and steps); with ``start_contention`` (``StartContention``) measured,
+    the steps slowed by its ``cpu_factor`` while a replica starts too."""
+    slowed = host(start_cores, start_contention=start_contention.cpu_factor) if start_contention else None
+    measured_start = [("start_contention_measured", on_fit(slowed))] if start_contention else []
+    return measured_start + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
             ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(clock, phase_s=None))),
             ("cores_unshared", on_fit(None)),
             ("memory_contention_off", on_fit(host(start_cores, contention=1.0))),
@@ -295,6 +300,8 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4),
                              "delay_s": round(stats[1], 4)},
             "plane_fit": run.plane.as_dict(), "host_cores": host_cores(), "memory_contention": run.contention.as_dict(),
+            **({"start_contention": run.start_contention.as_dict(host_cores(), run.threads)}
+               if run.start_contention else {}),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
 
@@ -362,7 +369,8 @@ class ClusterRun:
     trace), ``trace_wall_s`` (the trace's start on the wall clock) and ``drift``
     (``host_meter.HostDrift`` relative to the probe, from the probe's start), ``contention``
     (``host_contention.Contention``) and ``clocks`` / ``probe_clocks``, the engines' step clocks
-    read over the trace / the probe (``engine_clock.ClockReading``)."""
+    read over the trace / the probe (``engine_clock.ClockReading``); ``start_contention``
+    (``start_contention.StartContention``, None where not measured) and the engines' ``threads``."""
 
     probed: object
     measured: object
@@ -379,6 +387,8 @@ class ClusterRun:
     contention: object
     clocks: list
     probe_clocks: list
+    start_contention: object = None
+    threads: int = 1
 
     def clock(self, estimate):
         """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
@@ -393,9 +403,11 @@ class ClusterRun:
 
 
 def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
-                    workload: tuple[int, int, int] = (4, 128, 24), dtype: str = "auto") -> ClusterRun:
+                    workload: tuple[int, int, int] = (4, 128, 24), dtype: str = "auto",
+                    start_probe: bool = False) -> ClusterRun:
     """Time an engine of ``threads`` beside a second one on ``workload`` (a batch of requests of
-    the trace's mean prompt and output tokens; ``host_contention.measure_contention``); start ``kvserve cluster
+    the trace's mean prompt and output tokens; ``host_contention.measure_contention``), with
+    ``start_probe`` beside a replica start too (``start_contention.measure_start_contention``); start ``kvserve cluster
     serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
     it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
     from kvserve.fleetsim.cluster_reads import decision_record, mean_stats_age
@@ -404,7 +416,9 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
     from kvserve.fleetsim.host_meter import HostDrift, HostMeter
     from kvserve.fleetsim.replay import replay_and_watch, replay_trace
+    from kvserve.fleetsim.start_contention import measure_start_contention
     contention = measure_contention(threads=threads, workload=workload, dtype=dtype)
+    starting = measure_start_contention(threads=threads, workload=workload, dtype=dtype) if start_probe else None
     with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster, \
             HostMeter() as meter:
         idle = idle_readings(IDLE_S, IDLE_WINDOWS)
@@ -422,7 +436,7 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
                       decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
                       trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
-                      contention, clocks.readings, probe_clocks.readings)
+                      contention, clocks.readings, probe_clocks.readings, starting, threads)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:
@@ -448,9 +462,13 @@ def main() -> None:
     parser.add_argument("--repeat-cluster", action="store_true",
                         help="play each run's probe and trace on a second cluster too, compared with the first "
                              "as the simulator is (cluster_repeat: how well the cluster reproduces itself)")
+    parser.add_argument("--start-contention", action="store_true",
+                        help="time an engine beside a replica start before each cluster (start_contention.py) "
+                             "and simulate the trace with it too (start_contention_measured)")
     args = parser.parse_args()
     runs = [check(args.hardware or profile(dtype=args.dtype), args.phases, seed=args.seed + k,
-                  repeat=args.repeat_cluster, dtype=args.dtype) for k in range(args.runs)]
+                  repeat=args.repeat_cluster, dtype=args.dtype, start_probe=args.start_contention)
+            for k in range(args.runs)]
     if args.dump:
         with open(args.dump, "wb") as f:
             pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r,

@@ -161,16 +161,20 @@ def _group_figures(members: list, first_tokens, busy_at_least: float) -> dict:
     return figures
 
 
-def simulated_by_busy(record: list[tuple[float, int, float, float, int]]) -> dict[str, dict]:
+def simulated_by_busy(record: list[tuple[float, int, float, float, int, float]]) -> dict[str, dict]:
     """``SharedHost``'s record (each step: time, engines busy, the cores' factor, the whole
-    factor, replicas starting) grouped by engines busy (``"1 + a start"`` while a replica
-    started, as ``measured_by_busy``): the CPU share a one-thread engine's steps get (1 / the
-    cores' factor), the rest of the factor (memory contention), steps' mean."""
-    groups: dict[str, list[tuple[float, float]]] = {}
-    for _, busy, cores_factor, factor, starting in record:
-        groups.setdefault(str(busy) + (STARTING if starting else ""), []).append((cores_factor, factor))
-    return {n: {"cpu_share": round(statistics.fmean(1.0 / c for c, _ in rows), 3),
-                "cpu_per_step_factor": round(statistics.fmean(f / c for c, f in rows), 3), "steps": len(rows)}
+    factor, replicas starting, its time alone) grouped by engines busy (``"1 + a start"`` while a
+    replica started, as ``measured_by_busy``): the CPU share a one-thread engine's steps get (1 /
+    the cores' factor), the rest of the factor (memory contention), steps' mean; and the CPU ms
+    per step a one-thread engine spends (its time alone times the rest of the factor), beside
+    ``measured_by_busy``'s: where the measured one grows more than this, the steps did not only
+    grow bigger (fuller batches, which the simulated steps carry too)."""
+    groups: dict[str, list[tuple[float, float, float]]] = {}
+    for _, busy, cores_factor, factor, starting, alone_s in record:
+        groups.setdefault(str(busy) + (STARTING if starting else ""), []).append((cores_factor, factor, alone_s))
+    return {n: {"cpu_share": round(statistics.fmean(1.0 / c for c, _, _ in rows), 3),
+                "cpu_per_step_factor": round(statistics.fmean(f / c for c, f, _ in rows), 3), "steps": len(rows),
+                "cpu_ms_per_step": round(1e3 * statistics.fmean(a * f / c for c, f, a in rows), 2)}
             for n, rows in sorted(groups.items())}
 
 
@@ -183,8 +187,19 @@ def trace_clocks(readings: list[ClockReading], host_record: list, measured,
     clock): the path."""
     first_tokens = [(first, first - sent) for sent, first in zip(measured.arrival, measured.first_token_s)
                     if not math.isnan(first)]
-    return {"measured": measured_by_busy(clock_windows(readings), first_tokens, starts=starts),
-            "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
+    by_busy = {"measured": measured_by_busy(clock_windows(readings), first_tokens, starts=starts),
+               "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
+    return {**by_busy, "cpu_per_step_measured_over_simulated": cpu_per_step_ratios(**by_busy)}
+
+
+def cpu_per_step_ratios(measured: dict[str, dict], simulated: dict[str, dict]) -> dict[str, float]:
+    """Per group both sides have, the measured CPU ms per step (``measured_by_busy``: the median
+    over busy windows) over the simulated (``simulated_by_busy``: the mean over steps). Steps
+    grown bigger (fuller batches) grow on both sides; where the ratio grows from the ``"1"``
+    group's, the busy host costs the engine CPU per step that the simulated host does not."""
+    return {group: round(m["cpu_ms_per_step"] / simulated[group]["cpu_ms_per_step"], 3)
+            for group, m in measured.items()
+            if m.get("cpu_ms_per_step") and simulated.get(group, {}).get("cpu_ms_per_step")}
 
 
 def span_clock(readings: list[ClockReading], start: float, end: float = math.inf) -> dict | None:

@@ -38,7 +38,9 @@ timed on its CPU clock alone and beside a second engine stepping on another core
 longer a step takes while another engine steps beside it. A neighbour slowed by ``s`` steps
 ``1 / s`` of the time, so with ``n`` engines busy each step takes ``s x (1 + (contention - 1) x
 (n - 1) / s) = s + (contention - 1) x (n - 1)`` times its time alone. On this check's host it
-measured 1.01-1.06 (a replica starting beside a pinned engine: 1.02, not modelled).
+measured 1.01-1.06. While a replica starts, each step takes ``start_contention`` times that
+again (``start_contention.py``: an engine's CPU per run while an engine starts in a fresh process
+beside it, over alone).
 
 The kernel does not keep a busy engine's core free for it while another core idles: the plane's
 and the background's short bursts wake on whichever core, the engine's too, and take it for their
@@ -182,17 +184,20 @@ class SharedHost:
     """The simulated host of a local cluster (the module docstring): ``cores``, each busy engine's
     ``engine_threads``, the serving plane's ``plane``, each starting replica's ``start_cores`` and
     ``drift`` (``host_meter.HostDrift``: the host's own slowness over time; None: steady) and
-    ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``);
+    ``contention`` (a step beside another busy engine, ``host_contention.Contention.factor``),
+    ``start_contention`` (a step while a replica starts, ``start_contention.StartContention.cpu_factor``);
     ``reach``: the share of the plane's and the background's load that lands on each busy
     engine's core (the module docstring; 0: none while the cores add up); ``record``: a list each
     step's factors are appended to (``engine_clock.simulated_by_busy``)."""
 
     def __init__(self, cores: int, engine_threads: int, plane: PlaneFit, start_cores: float = 0.0, drift=None,
-                 contention: float = 1.0, record: list | None = None, reach: float = 0.0):
-        self.record = record     # if a list: (time, engines busy, cores' factor, factor, replicas starting) per step
+                 contention: float = 1.0, record: list | None = None, reach: float = 0.0,
+                 start_contention: float = 1.0):
+        self.record = record     # if a list per step: (time, engines busy, cores' factor, factor, starting, alone s)
         self.reach = min(max(0.0, reach), 0.9 / max(plane.background_cores, 1e-9), 1.0)   # 1 - r b > 0
         self.cores = cores
         self.contention = max(1.0, contention)       # a neighbour never speeds a step up
+        self.start_contention = max(1.0, start_contention)
         self.drift = drift
         self.engine_threads = engine_threads
         self.plane = plane
@@ -228,7 +233,8 @@ class SharedHost:
         return self._with_contention(self.cores_factor())
 
     def _with_contention(self, s: float) -> float:
-        return s + (self.contention - 1.0) * max(0, len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
+        neighbours = s + (self.contention - 1.0) * max(0, len(self._rates) - 1)   # s x (1 + (c - 1)(n - 1) / s)
+        return neighbours * (self.start_contention if self._starting else 1.0)
 
     def cores_factor(self) -> float:
         """The cores' sharing alone (at least 1): the starting replicas take their cores first
@@ -253,11 +259,12 @@ class SharedHost:
         fair = self.cores * starts / (len(self._rates) * self.engine_threads + starts)
         return min(starts * self.start_cores, fair)
 
-    def step_factor(self, now: float) -> float:
+    def step_factor(self, now: float, alone_s: float = 0.0) -> float:
         """How much longer than its roofline a step starting at ``now`` takes: the cores' sharing
-        (``factor``) times the host's drift then."""
+        (``factor``) times the host's drift then; ``alone_s``, the step's time alone, only goes
+        into the record."""
         cores = self.cores_factor()
         factor = self._with_contention(cores)
         if self.record is not None:
-            self.record.append((now, len(self._rates), cores, factor, len(self._starting)))
+            self.record.append((now, len(self._rates), cores, factor, len(self._starting), alone_s))
         return factor * (self.drift.at(now) if self.drift is not None else 1.0)

@@ -159,5 +159,5 @@ class SchedulerReplica:
         seconds = step_time(self.cost, step_work(shape, self.cost.hw.kv_read_mode, BLOCK_SIZE)).total_s
         if self.host is not None:
             self.host.busy(self.name, shape.num_sampled / seconds)
-            seconds *= self.host.step_factor(now)
+            seconds *= self.host.step_factor(now, seconds)
         return now + seconds

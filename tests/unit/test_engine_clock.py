@@ -1,8 +1,8 @@
 """The engines' step clocks read through the cluster's /metrics, and the simulated host's record."""
 import pytest
 
-from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, measured_by_busy, parse_clocks,
-                                           plane_reach, simulated_by_busy, singles_path, span_clock,
+from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, cpu_per_step_ratios,
+                                           measured_by_busy, parse_clocks, plane_reach, simulated_by_busy, singles_path, span_clock,
                                            streamed_tokens)
 from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost
 
@@ -63,21 +63,46 @@ def test_the_simulated_host_records_each_steps_cores_and_contention():
     record = []
     host = SharedHost(2, 1, PlaneFit(0.2, 0.004), start_cores=0.8, contention=1.05, record=record)
     host.busy("a", 100.0)
-    alone = host.step_factor(0.0)
+    alone = host.step_factor(0.0, 0.06)
     host.busy("b", 100.0)
-    both = host.step_factor(1.0)
-    assert record[0] == (0.0, 1, alone, alone, 0) and alone == pytest.approx(1.0)
-    _, busy, cores, factor, _ = record[1]
+    both = host.step_factor(1.0, 0.08)
+    assert record[0] == (0.0, 1, alone, alone, 0, 0.06) and alone == pytest.approx(1.0)
+    _, busy, cores, factor, _, _ = record[1]
     assert busy == 2 and cores > 1.0 and factor == pytest.approx(cores + 0.05)
     summary = simulated_by_busy(record)
-    assert summary["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1}
+    assert summary["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1, "cpu_ms_per_step": 60.0}
     assert summary["2"]["cpu_share"] == pytest.approx(1 / cores, abs=1e-3)
     assert summary["2"]["cpu_per_step_factor"] == pytest.approx(1 + 0.05 / cores, abs=1e-3)
+    assert summary["2"]["cpu_ms_per_step"] == pytest.approx(80.0 * (1 + 0.05 / cores), abs=0.01)  # not the wall
     host.idle("b")
     host.starting("c")                              # a start takes its cores: the steps meanwhile apart
-    starting = host.step_factor(2.0)
+    starting = host.step_factor(2.0, 0.06)
     assert record[2][4] == 1 and starting > alone
     assert simulated_by_busy(record)["1 + a start"]["cpu_share"] == pytest.approx(1 / starting, abs=1e-3)
+
+
+def test_a_start_contention_slows_the_steps_only_while_a_replica_starts():
+    plain = SharedHost(2, 1, PlaneFit(0.0, 0.0), start_cores=0.8)
+    slowed = SharedHost(2, 1, PlaneFit(0.0, 0.0), start_cores=0.8, start_contention=1.3, record=(record := []))
+    for host in (plain, slowed):
+        host.busy("a", 100.0)
+    assert slowed.step_factor(0.0) == plain.step_factor(0.0) == pytest.approx(1.0)   # nothing starts
+    for host in (plain, slowed):
+        host.starting("b")
+    assert slowed.step_factor(1.0) == pytest.approx(1.3 * plain.step_factor(1.0))
+    summary = simulated_by_busy(record)                         # CPU per step, not the cores' share
+    assert summary["1 + a start"]["cpu_per_step_factor"] == pytest.approx(1.3, abs=1e-3)
+    assert summary["1 + a start"]["cpu_share"] == summary["1"]["cpu_share"]
+    slowed.start_ended("b")
+    assert slowed.step_factor(2.0) == pytest.approx(1.0)
+    assert SharedHost(2, 1, PlaneFit(0.0, 0.0), start_contention=0.9).start_contention == 1.0   # never faster
+
+
+def test_the_cpu_per_step_is_set_measured_over_simulated_where_both_sides_have_the_group():
+    measured = {"0": {"cpu_ms_per_step": None}, "1": {"cpu_ms_per_step": 60.0},
+                "1 + a start": {"cpu_ms_per_step": 90.0}, "2": {"cpu_ms_per_step": 80.0}}
+    simulated = {"1": {"cpu_ms_per_step": 64.0}, "1 + a start": {"cpu_ms_per_step": 85.0}}
+    assert cpu_per_step_ratios(measured, simulated) == {"1": 0.938, "1 + a start": 1.059}
 
 
 def test_windows_that_overlap_a_start_are_grouped_apart():
