@@ -47,18 +47,20 @@
    into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
    core, read by the engine's clock over the probe, the probe fitted on that host too;
    ``decode_one_factor``: the probe's decode fitted as one factor on its stream, no per-sequence
-   cost, ``decode_one_factor_fit``).
+   cost, ``decode_one_factor_fit``; with ``--start-contention``, ``start_contention_measured``:
+   the steps slowed while a replica starts by an engine's CPU per run beside a replica start,
+   timed before the cluster, ``fleetsim/start_contention.py``, ``start_contention`` in the JSON).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 35:0.25,40:0.8,60:0.2] [--hardware PATH]
-        [--seed N] [--runs K] [--repeat-cluster] [--dtype float32]
+        [--seed N] [--runs K] [--repeat-cluster] [--dtype float32] [--start-contention]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
 (simulated / measured); the issue's bar is within 20%. Beside them, the engines' step clocks
 over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
 engines busy and whether a replica was starting (``engine_clocks``: the CPU share the steps got
-and their CPU per step; ``fleetsim/engine_clock.py``), over the probe the engines' steps
-(``probe_clock``: over its singles and its stream), the one-at-a-time requests' path the clocks
+and their CPU per step, measured over simulated by group; ``fleetsim/engine_clock.py``), over
+the probe the engines' steps (``probe_clock``: over its singles and its stream), the one-at-a-time requests' path the clocks
 measured (``probe_path_measured_s``, beside the fit's intercept) and the plane's reach
 (``plane_reach``, over the probe's stream; reported only, over the whole probe and over the
 trace), and the autoscaler's input: the demand windows the cluster's policy closed and the
