@@ -60,8 +60,9 @@ their mean absolute difference over the mean), measured and simulated, with the 
 over the trace (read through the ingress every 2 s) and the simulated host's steps, grouped by
 engines busy and whether a replica was starting (``engine_clocks``: the CPU share the steps got
 and their CPU per step, measured over simulated by group; ``fleetsim/engine_clock.py``), over
-the probe the engines' steps (``probe_clock``: over its singles and its stream), the one-at-a-time requests' path the clocks
-measured (``probe_path_measured_s``, beside the fit's intercept) and the plane's reach
+the probe the engines' steps (``probe_clock``: over its singles and its stream), the
+one-at-a-time requests' path the clocks measured (``probe_path_measured_s``, beside the fit's
+intercept) and the plane's reach
 (``plane_reach``, over the probe's stream; reported only, over the whole probe and over the
 trace), and the autoscaler's input: the demand windows the cluster's policy closed and the
 simulator's (``cluster_windows``, ``simulated_windows``: ``[reading, decision, load]`` on the trace's clock) and, over the pairs
@@ -409,8 +410,8 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
                     start_probe: bool = False) -> ClusterRun:
     """Time an engine of ``threads`` beside a second one on ``workload`` (a batch of requests of
     the trace's mean prompt and output tokens; ``host_contention.measure_contention``), with
-    ``start_probe`` beside a replica start too (``start_contention.measure_start_contention``); start ``kvserve cluster
-    serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
+    ``start_probe`` beside a replica start too (``start_contention.measure_start_contention``);
+    start ``kvserve cluster serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
     it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
     from kvserve.fleetsim.cluster_reads import decision_record, mean_stats_age
     from kvserve.fleetsim.engine_clock import ClockWatcher

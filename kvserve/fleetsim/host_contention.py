@@ -39,6 +39,7 @@ from dataclasses import dataclass
 WORKLOAD = (4, 128, 24)     # requests in the batch, prompt tokens, output tokens
 READY = "ready"             # the neighbour's line once its engine loaded and stepped once
 CYCLES = 4                  # rounds of runs alone and beside the neighbour, in turn
+MODULE = "kvserve.fleetsim.host_contention"   # run as ``python -m`` (its ``__name__`` is then ``__main__``)
 
 
 @dataclass(frozen=True)
@@ -68,24 +69,30 @@ def measure_contention(runs: int = 2, threads: int = 1, workload: tuple[int, int
                        timeout_s: float = 300.0, dtype: str = "auto") -> Contention:
     """Measure in a subprocess (the module docstring), so that this process's own threads and
     core affinity stay as they were; the engines' weights in ``dtype`` (the server's ``--dtype``)."""
-    done = subprocess.run(_command(threads, workload, dtype, "--runs", str(runs)), capture_output=True, text=True,
-                          timeout=timeout_s, env=_one_thread_env(threads))
-    if done.returncode != 0:
-        raise RuntimeError(f"the contention probe failed: {done.stderr[-2000:]}")
-    return Contention.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
+    return Contention.from_dict(run_probe(probe_command(MODULE, threads, workload, dtype, "--runs", str(runs)),
+                                          threads, timeout_s))
 
 
-def _command(threads: int, workload: tuple[int, int, int], dtype: str, *extra: str) -> list[str]:
-    """This module's command line for ``threads``, ``workload`` and ``dtype``, then ``extra``."""
-    return [sys.executable, "-m", "kvserve.fleetsim.host_contention", "--threads", str(threads),
+def probe_command(module: str, threads: int, workload: tuple[int, int, int], dtype: str, *extra: str) -> list[str]:
+    """A probe ``module``'s command line for ``threads``, ``workload`` and ``dtype``, then ``extra``."""
+    return [sys.executable, "-m", module, "--threads", str(threads),
             "--workload", ",".join(map(str, workload)), "--dtype", dtype, *extra]
 
 
-def _one_thread_env(threads: int) -> dict:
+def run_probe(command: list[str], threads: int, timeout_s: float) -> dict:
+    """Run a probe's ``command`` with ``threads`` torch threads: the JSON of its last line."""
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s, env=threads_env(threads))
+    if done.returncode != 0:
+        raise RuntimeError(f"{command[2]} failed: {done.stderr[-2000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def threads_env(threads: int) -> dict:
+    """This process's environment with OpenMP's and MKL's threads set to ``threads``."""
     return {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
 
 
-def _engine(threads: int, workload: tuple[int, int, int], dtype: str):
+def batch_runner(threads: int, workload: tuple[int, int, int], dtype: str):
     """A function running ``workload`` once on a fresh kvserve engine, after one warm-up run."""
     from kvserve.planner.profile import open_engine, runs_kv_bytes
     batch, prompt, output = workload
@@ -111,8 +118,9 @@ def _cpu_seconds(run, runs: int) -> list[float]:
 def _start_neighbour(threads: int, workload: tuple[int, int, int], dtype: str, core: int | None,
                      timeout_s: float = 120.0) -> subprocess.Popen:
     """The neighbour process, once it printed ``READY``."""
-    command = _command(threads, workload, dtype, "--neighbour", *(["--core", str(core)] if core is not None else []))
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=_one_thread_env(threads))
+    command = probe_command(MODULE, threads, workload, dtype, "--neighbour",
+                            *(["--core", str(core)] if core is not None else []))
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env=threads_env(threads))
     ready, _, _ = select.select([process.stdout], [], [], timeout_s)
     if not ready or process.stdout.readline().strip() != READY:
         process.kill()
@@ -128,7 +136,7 @@ def measure_here(runs: int, threads: int, workload: tuple[int, int, int], cycles
     pinned = len(cores) >= 2
     if pinned:
         os.sched_setaffinity(0, {cores[0]})
-    run = _engine(threads, workload, dtype)
+    run = batch_runner(threads, workload, dtype)
     neighbour = _start_neighbour(threads, workload, dtype, cores[1] if pinned else None)
     alone, beside = [], []
     try:
@@ -160,7 +168,7 @@ def neighbour_loop(threads: int, workload: tuple[int, int, int], core: int | Non
     _die_with_parent()
     if core is not None:
         os.sched_setaffinity(0, {core})
-    run = _engine(threads, workload, dtype)
+    run = batch_runner(threads, workload, dtype)
     print(READY, flush=True)
     while os.getppid() == parent:
         run()

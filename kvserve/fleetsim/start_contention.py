@@ -30,14 +30,14 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 
-from kvserve.fleetsim.host_contention import WORKLOAD, _engine, _one_thread_env
+from kvserve.fleetsim.host_contention import WORKLOAD, batch_runner, probe_command, run_probe, threads_env
 
 STARTS = 3                  # replica starts beside the busy engine, each after runs alone
+MODULE = "kvserve.fleetsim.start_contention"   # run as ``python -m``
 
 
 @dataclass(frozen=True)
@@ -100,16 +100,8 @@ def measure_start_contention(runs: int = 2, threads: int = 1, workload: tuple[in
                              starts: int = STARTS, timeout_s: float = 400.0, dtype: str = "auto") -> StartContention:
     """Measure in a subprocess (the module docstring), so that this process's threads stay as
     they were; the engines' weights in ``dtype`` (the server's ``--dtype``)."""
-    done = subprocess.run(_command(threads, workload, dtype, "--runs", str(runs), "--starts", str(starts)),
-                          capture_output=True, text=True, timeout=timeout_s, env=_one_thread_env(threads))
-    if done.returncode != 0:
-        raise RuntimeError(f"the start contention probe failed: {done.stderr[-2000:]}")
-    return StartContention.from_dict(json.loads(done.stdout.strip().splitlines()[-1]))
-
-
-def _command(threads: int, workload: tuple[int, int, int], dtype: str, *extra: str) -> list[str]:
-    return [sys.executable, "-m", "kvserve.fleetsim.start_contention", "--threads", str(threads),
-            "--workload", ",".join(map(str, workload)), "--dtype", dtype, *extra]
+    command = probe_command(MODULE, threads, workload, dtype, "--runs", str(runs), "--starts", str(starts))
+    return StartContention.from_dict(run_probe(command, threads, timeout_s))
 
 
 def _timed(run) -> tuple[float, float, float]:
@@ -153,12 +145,12 @@ def measure_here(runs: int, threads: int, workload: tuple[int, int, int], starts
                  dtype: str = "auto") -> StartContention:
     """The measurement itself, in this process (``measure_start_contention`` runs it in a
     subprocess): ``starts`` rounds of ``runs`` runs alone and one start with runs beside it."""
-    run = _engine(threads, workload, dtype)
-    start = _command(threads, workload, dtype, "--start")
+    run = batch_runner(threads, workload, dtype)
+    start = probe_command(MODULE, threads, workload, dtype, "--start")
     alone, beside, walls, cpus = [], [], [], []
     for _ in range(starts):
         alone += [_timed(run)[:2] for _ in range(runs)]
-        timed, wall, cpu = _beside_one_start(run, start, _one_thread_env(threads))
+        timed, wall, cpu = _beside_one_start(run, start, threads_env(threads))
         beside += timed
         walls.append(wall)
         cpus.append(cpu)
@@ -169,7 +161,7 @@ def measure_here(runs: int, threads: int, workload: tuple[int, int, int], starts
 
 def start_once(threads: int, workload: tuple[int, int, int], dtype: str) -> None:
     """One replica start: a fresh engine of ``threads`` in ``dtype`` and one warm-up run."""
-    _engine(threads, workload, dtype)
+    batch_runner(threads, workload, dtype)
 
 
 def main() -> None:
