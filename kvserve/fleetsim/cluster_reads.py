@@ -31,12 +31,14 @@ def mean_stats_age(url: str) -> float:
 
 
 def starting_cores(changes: list, snapshots: list) -> float:
-    """The cores a starting replica kept busy: over the measured starts (``replay.start_windows``),
-    the core-seconds of the processes that appeared meanwhile (``host_cpu.new_processes_cpu_s``:
-    Ray's worker taking the replica actor, the engine process it spawned) over the seconds."""
+    """The cores a starting replica kept busy: over the measured starts the poll saw whole
+    (``replay.whole_start_windows``: a start under way before the watch had its processes already,
+    which would count as no CPU), the core-seconds of the processes that appeared meanwhile
+    (``host_cpu.new_processes_cpu_s``: Ray's worker taking the replica actor, the engine process
+    it spawned) over the seconds."""
     from kvserve.fleetsim.host_cpu import new_processes_cpu_s
-    from kvserve.fleetsim.replay import start_windows
+    from kvserve.fleetsim.replay import whole_start_windows
     spans = [(new_processes_cpu_s(snapshots[b], snapshots[e]), changes[e][0] - changes[b][0])
-             for b, e in start_windows(changes)]
+             for b, e in whole_start_windows(changes)]
     seconds = sum(s for _, s in spans)
     return sum(cpu for cpu, _ in spans) / seconds if seconds > 0 else 0.0

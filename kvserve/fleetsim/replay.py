@@ -189,10 +189,20 @@ def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int
     return windows
 
 
+def whole_start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int, int]]:
+    """``start_windows`` less a start already under way at the first change (one asked for
+    before the watch began, as the probe's replica is at the trace's start: the poll did not see
+    it begin, so its span is only the part after the first poll); all of them where that leaves
+    none (lower bounds, the best there is)."""
+    windows = start_windows(changes)
+    return [(begin, end) for begin, end in windows if begin > 0] or windows
+
+
 def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
     """Seconds from a replica appearing as STARTING (or PENDING_*) to the RUNNING count growing:
-    each scale-up's measured start, as the poll saw it (within ``POLL_EVERY_S``)."""
-    return [running - asked for asked, running in start_spans(changes)]
+    each scale-up's measured start the poll saw whole (``whole_start_windows``), as it saw it
+    (within ``POLL_EVERY_S``)."""
+    return [changes[end][0] - changes[begin][0] for begin, end in whole_start_windows(changes)]
 
 
 def start_spans(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[float, float]]:

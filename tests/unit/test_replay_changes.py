@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.fleetsim.replay import running_steps, start_durations, start_windows
+from kvserve.fleetsim.replay import running_steps, start_durations, start_windows, whole_start_windows
 
 CHANGES = [
     (0.1, {"RUNNING": 1}),
@@ -28,6 +28,26 @@ def test_a_start_runs_from_the_first_pending_poll_to_the_running_count_growing()
     assert start_durations(CHANGES) == pytest.approx([51.3 - 40.2, 8.0, 2.5])
 
 
+def test_a_start_under_way_at_the_first_poll_is_not_a_start_duration():
+    probe_started = [(0.1, {"RUNNING": 1, "STARTING": 1}), (8.4, {"RUNNING": 2}), (25.0, {"RUNNING": 1}),
+                     (40.0, {"RUNNING": 1, "STARTING": 1}), (57.5, {"RUNNING": 2})]
+    assert start_windows(probe_started) == [(0, 1), (3, 4)]        # both are still spans a start ran in
+    assert whole_start_windows(probe_started) == [(3, 4)]
+    assert start_durations(probe_started) == pytest.approx([17.5])  # not (8.3 + 17.5) / 2 on average
+    only_that_one = probe_started[:3]
+    assert start_durations(only_that_one) == pytest.approx([8.3])   # none seen whole: the lower bound
+
+
 def test_no_scale_up_no_start():
     assert start_windows([(0.0, {"RUNNING": 1}), (5.0, {"RUNNING": 1, "STOPPING": 1})]) == []
     assert start_durations([]) == []
+
+
+def test_the_cores_a_start_took_count_only_the_starts_seen_whole():
+    from kvserve.fleetsim.cluster_reads import starting_cores
+    changes = [(0.1, {"RUNNING": 1, "STARTING": 1}), (8.4, {"RUNNING": 2}), (25.0, {"RUNNING": 1}),
+               (40.0, {"RUNNING": 1, "STARTING": 1}), (57.5, {"RUNNING": 2})]
+    worker = (11, b"ray::ServeReplica")              # the probe's replica: its processes before the watch
+    snapshots = [{worker: 5.0}, {worker: 12.0}, {worker: 12.0}, {worker: 12.0},
+                 {worker: 13.0, (12, b"ray::ServeReplica:b"): 4.0, (13, b"kvserve.ipc.engine_proc"): 10.0}]
+    assert starting_cores(changes, snapshots) == pytest.approx(14.0 / 17.5)   # not 14 / (8.3 + 17.5)
