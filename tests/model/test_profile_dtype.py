@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvserve.cli import build_parser
-from kvserve.fleetsim.host_contention import _command
+from kvserve.fleetsim.host_contention import MODULE, probe_command
 from kvserve.planner.profile import open_engine, runs_kv_bytes
 
 pytestmark = pytest.mark.model
@@ -22,5 +22,5 @@ def test_the_flag_defaults_to_the_engines_choice_and_reaches_the_contention_prob
     args = build_parser().parse_args(["profile", "--quick"])
     assert args.dtype == "auto"
     assert build_parser().parse_args(["profile", "--dtype", "float32"]).dtype == "float32"
-    command = _command(1, (4, 128, 24), "float32", "--runs", "2")
+    command = probe_command(MODULE, 1, (4, 128, 24), "float32", "--runs", "2")
     assert command[command.index("--dtype") + 1] == "float32" and command[-2:] == ["--runs", "2"]
