@@ -32,7 +32,7 @@ import statistics
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from kvserve.fleetsim.host_contention import WORKLOAD, batch_runner, probe_command, run_probe, threads_env
 
@@ -87,13 +87,11 @@ class StartContention:
             figures["predicted_wall_factor"] = round(self.predicted_wall_factor(cores, threads), 4)
             figures["predicted_wall_factor_cores_only"] = round(
                 self.predicted_wall_factor(cores, threads, with_cpu_factor=False), 4)
-        return {**figures, **{name: [round(t, 4) for t in getattr(self, name)] for name in (
-            "alone_wall_s", "alone_cpu_s", "beside_wall_s", "beside_cpu_s", "starts_wall_s", "starts_cpu_s")}}
+        return {**figures, **{f.name: [round(t, 4) for t in getattr(self, f.name)] for f in fields(self)}}
 
     @classmethod
     def from_dict(cls, data: dict) -> "StartContention":
-        return cls(*(tuple(data[name]) for name in ("alone_wall_s", "alone_cpu_s", "beside_wall_s", "beside_cpu_s",
-                                                    "starts_wall_s", "starts_cpu_s")))
+        return cls(**{f.name: tuple(data[f.name]) for f in fields(cls)})
 
 
 def measure_start_contention(runs: int = 2, threads: int = 1, workload: tuple[int, int, int] = WORKLOAD,

@@ -121,7 +121,8 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
             pytest.skip(f"this host's replica is planned at so few requests/s, even with requests of "
                         f"{shape.prompt_tokens} / {shape.output_tokens} tokens, that the check's "
                         f"{sum(s for s, _ in PHASES):.0f} s trace would hold {requests:.0f} requests (at least "
-                        f"{MIN_TRACE_REQUESTS}): its probe alone would scale the cluster up, its p99 would be one request (docs/fleet_simulator.md)")
+                        f"{MIN_TRACE_REQUESTS}): its probe alone would scale the cluster up, its p99 would be one "
+                        "request (docs/fleet_simulator.md)")
         result, *_ = check(hardware, PHASES, shape=shape)
         if _within_bands(result):
             break
