@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -12,7 +13,37 @@ import time
 import httpx
 
 
-def free_port() -> int:
+RAY_WORKER_PORT_MAX = 19999     # Ray's workers listen on 10002-19999 by default
+
+
+def ephemeral_port_low() -> int:
+    """The lowest port the kernel hands to ``bind(0)`` and to outgoing connections (Linux: 32768)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_port(rng: random.Random | None = None, tries: int = 200) -> int:
+    """A free 127.0.0.1 port that nothing else on the host is about to take.
+
+    The port is chosen above Ray's worker ports and below the kernel's ephemeral range.
+    A port from ``bind(0)`` lies inside that range, and so do the ports Ray picks at random
+    for its own listeners and the local ports of every outgoing connection. Between this
+    call and the server's bind, one of those could take it: a Ray Serve proxy once failed
+    with ``Failed to bind to address``. When no port in the band is free, the kernel picks.
+    """
+    rng = rng or random.Random()
+    low, high = RAY_WORKER_PORT_MAX + 1, ephemeral_port_low() - 1
+    for _ in range(tries if high > low else 0):
+        port = rng.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
