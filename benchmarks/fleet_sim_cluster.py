@@ -42,7 +42,8 @@
    ``cores_unshared``: the probe's fit without the shared cores; ``starts_cost_no_cpu``: shared
    cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
-   step slowed by the metered drift; ``probe_not_played``; ``decision_clock_estimated``:
+   step slowed by the metered drift; ``host_drift_quiet``: by one factor, the drift's median over
+   the trace's spans as quiet as the probe (``host_drift_quiet`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
    core, read by the engine's clock over the probe, the probe fitted on that host too;
@@ -78,7 +79,6 @@ the cluster reproduces itself, a floor under any simulator's agreement with it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import functools
 from collections import Counter
 import json
@@ -87,21 +87,18 @@ import pickle
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.server_process import ServerProcess  # noqa: E402
+from benchmarks.cluster_run import measure_cluster  # noqa: E402
 
 KV_CACHE_GIB = 0.25
 MAX_NUM_SEQS = 4         # each replica's batch; the capacity is planned for a full one (``full_batch_tpot_ms``)
 TPOT_SLACK = 1.2         # the planner's TPOT SLO over a full batch's step on this host
 HEADROOM_FACTOR = 1.5   # the policy scales up past 1 / 1.5 = 0.67 of the planned capacity (step 2 above)
 PROBE_STREAM = dict(batch=10, batch_gap_s=0.25)   # the probe's busy part: 10 requests 0.25 s apart (4/s)
-IDLE_S = 3.0                # the cluster idles this long before the probe: the host's background CPU
-IDLE_WINDOWS = 6            # ... in this many windows, the background their median (a burst is not background)
 
 
 def host_cores() -> int:
@@ -242,7 +239,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                                       dict(router_stats=stats, lead_in=lead_in), trace)
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        *one_part_changed(on_fit, host, start_cores, run.drift, simulate.clock, estimated, run.start_contention),
+        *one_part_changed(on_fit, host, start_cores, run, simulate.clock, estimated),
         ("with_plane_reach", reach_sim), ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
     again = measure() if repeat else None
     return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
@@ -253,7 +250,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "decode_one_factor_fit": one_factor.as_dict(), **probe_clocks,
-            "engine_clocks": trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes)),
+            "engine_clocks": trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes), lead_in[1]),
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
@@ -275,14 +272,17 @@ def repeat_record(compared: dict) -> dict:
             "replica_count_mean_abs_diff_over_mean": compared["replica_count_mean_abs_diff_over_mean"]}
 
 
-def one_part_changed(on_fit, host, start_cores: float, drift, clock, estimated,
-                     start_contention=None) -> list[tuple[str, tuple]]:
+def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated) -> list[tuple[str, tuple]]:
     """The simulation on the probe's fit with one part changed (the module docstring's list):
-    (name, the simulated log and steps); with ``start_contention`` (``StartContention``) measured,
-    the steps slowed by its ``cpu_factor`` while a replica starts too."""
+    (name, the simulated log and steps); where ``run`` (``ClusterRun``) measured a start's
+    contention (``StartContention``), the steps slowed by its ``cpu_factor`` while a replica
+    starts too; where it has a quiet drift, every step slowed by that one factor."""
+    from kvserve.fleetsim.host_meter import HostDrift
+    drift, start_contention, quiet = run.drift, run.start_contention, run.quiet_drift()
     slowed = host(start_cores, start_contention=start_contention.cpu_factor) if start_contention else None
     measured_start = [("start_contention_measured", on_fit(slowed))] if start_contention else []
-    return measured_start + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
+    quiet = [("host_drift_quiet", on_fit(host(start_cores, HostDrift.constant(quiet[0]))))] if quiet else []
+    return measured_start + quiet + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
             ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(clock, phase_s=None))),
             ("cores_unshared", on_fit(None)),
             ("memory_contention_off", on_fit(host(start_cores, contention=1.0))),
@@ -306,6 +306,7 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
             **({"start_contention": run.start_contention.as_dict(host_cores(), run.threads)}
                if run.start_contention else {}),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
+            "host_drift_quiet": (quiet := run.quiet_drift()) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
 
 
@@ -361,85 +362,6 @@ def fit_probe(run, probe, simulate, host=None, per_sequence: bool = True):
     return fit_host(run.probed, lambda factor, extra, prefill: simulate(probe, factor, extra, prefill_slowdown=prefill,
                                                                         clock=clock, host=host and host())[0],
                     one_at_a_time=len(SINGLE_PROMPTS), per_sequence=per_sequence)
-
-
-@dataclass
-class ClusterRun:
-    """What ``measure_cluster`` measured: ``probed`` and ``measured`` (the filled logs),
-    ``served_by``, ``changes`` (the replicas by state), ``snapshots`` (the processes' CPU at each
-    change), ``plane`` (``PlaneFit``), ``stats_age_s`` (``mean_stats_age``), ``sample_age_s`` and
-    ``windows`` (``decision_record``), ``probe_lead_s`` (the probe was sent this long before the
-    trace), ``trace_wall_s`` (the trace's start on the wall clock) and ``drift``
-    (``host_meter.HostDrift`` relative to the probe, from the probe's start), ``contention``
-    (``host_contention.Contention``) and ``clocks`` / ``probe_clocks``, the engines' step clocks
-    read over the trace / the probe (``engine_clock.ClockReading``); ``start_contention``
-    (``start_contention.StartContention``, None where not measured) and the engines' ``threads``."""
-
-    probed: object
-    measured: object
-    served_by: list
-    changes: list
-    snapshots: list
-    plane: object
-    stats_age_s: float
-    sample_age_s: float | None
-    windows: list
-    probe_lead_s: float
-    trace_wall_s: float
-    drift: object
-    contention: object
-    clocks: list
-    probe_clocks: list
-    start_contention: object = None
-    threads: int = 1
-
-    def clock(self, estimate):
-        """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
-        from kvserve.fleetsim.cluster_check import cluster_decision_clock
-        return cluster_decision_clock(self.windows, self.trace_wall_s, estimate)
-
-    def windows_on_trace_clock(self, capacity) -> list[list[float]]:
-        """The policy's closed windows as ``[reading, decision, load]`` on the trace's clock
-        (``cluster_check.windows_as_loads``)."""
-        from kvserve.fleetsim.cluster_check import windows_as_loads
-        return windows_as_loads(self.windows, capacity, self.trace_wall_s)
-
-
-def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
-                    workload: tuple[int, int, int] = (4, 128, 24), dtype: str = "auto",
-                    start_probe: bool = False) -> ClusterRun:
-    """Time an engine of ``threads`` beside a second one on ``workload`` (a batch of requests of
-    the trace's mean prompt and output tokens; ``host_contention.measure_contention``), with
-    ``start_probe`` beside a replica start too (``start_contention.measure_start_contention``);
-    start ``kvserve cluster serve`` with ``flags``; read the idle host, play the probe, measure the serving plane over
-    it, play the trace while watching the replicas and their engines' step clocks (``ClusterRun``)."""
-    from kvserve.fleetsim.cluster_reads import decision_record, mean_stats_age
-    from kvserve.fleetsim.engine_clock import ClockWatcher
-    from kvserve.fleetsim.host_contention import measure_contention
-    from kvserve.fleetsim.host_cpu import PlaneFit, idle_readings, process_cpu, read_cpu
-    from kvserve.fleetsim.host_meter import HostDrift, HostMeter
-    from kvserve.fleetsim.replay import replay_and_watch, replay_trace
-    from kvserve.fleetsim.start_contention import measure_start_contention
-    contention = measure_contention(threads=threads, workload=workload, dtype=dtype)
-    starting = measure_start_contention(threads=threads, workload=workload, dtype=dtype) if start_probe else None
-    with ServerProcess(*flags, command=("cluster", "serve"), startup_timeout_s=420) as cluster, \
-            HostMeter() as meter:
-        idle = idle_readings(IDLE_S, IDLE_WINDOWS)
-        probe_t0 = time.perf_counter()
-        with ClockWatcher(cluster.url, probe_t0, period_s=1.0) as probe_clocks:
-            probed, _ = asyncio.run(replay_trace(cluster.url, probe, vocab, seed=seed + 1, t0=probe_t0))
-        probe_end = time.perf_counter()
-        plane = PlaneFit.measure(idle, read_cpu(), sum(probe.output))
-        snapshots, trace_t0 = [], time.perf_counter()
-        trace_wall_s = time.time() - (time.perf_counter() - trace_t0)
-        with ClockWatcher(cluster.url, trace_t0) as clocks:
-            measured, served_by, changes = asyncio.run(replay_and_watch(
-                cluster.url, trace, vocab, on_change=lambda: snapshots.append(process_cpu()), t0=trace_t0))
-        stats_age_s, decisions = mean_stats_age(cluster.url), decision_record(cluster.url)
-    return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
-                      decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
-                      trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
-                      contention, clocks.readings, probe_clocks.readings, starting, threads)
 
 
 def parse_phases(text: str) -> list[tuple[float, float]]:

@@ -40,7 +40,8 @@ from collections import Counter
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fleet_sim_cluster import IDLE_S, IDLE_WINDOWS, KV_CACHE_GIB, host_cores, profile  # noqa: E402
+from benchmarks.cluster_run import IDLE_S, IDLE_WINDOWS  # noqa: E402
+from benchmarks.fleet_sim_cluster import KV_CACHE_GIB, host_cores, profile  # noqa: E402
 from kvserve.fleetsim.cluster_sim import ClusterSimulator  # noqa: E402
 from kvserve.fleetsim.cluster_reads import mean_stats_age, router_stats  # noqa: E402
 from benchmarks.server_process import ServerProcess  # noqa: E402

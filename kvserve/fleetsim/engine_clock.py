@@ -125,6 +125,16 @@ def _busy(windows: list[dict], busy_at_least: float) -> list[dict]:
     return [w for w in windows if w["busy"] >= busy_at_least and w["cpu_share"] is not None]
 
 
+def quiet_spans(readings: list[ClockReading], starts: list[tuple[float, float]] = (),
+                busy_at_most: float = 1.0) -> list[tuple[float, float]]:
+    """The spans between consecutive readings where the replicas' busy shares summed to at most
+    ``busy_at_most`` (as loaded as a probe's one engine, or less) and no replica was starting
+    (``starts``: (asked, running) spans on the readings' clock)."""
+    return [(start, end) for (start, end), span_windows in _by_span(clock_windows(readings)).items()
+            if sum(w["busy"] for w in span_windows) <= busy_at_most
+            and not any(asked < end and start < running for asked, running in starts)]
+
+
 STARTING = " + a start"       # the suffix of a group whose windows (or steps) had a replica starting
 
 
@@ -179,16 +189,17 @@ def simulated_by_busy(record: list[tuple[float, int, float, float, int, float]])
 
 
 def trace_clocks(readings: list[ClockReading], host_record: list, measured,
-                 starts: list[tuple[float, float]] = ()) -> dict:
+                 starts: list[tuple[float, float]] = (), trace_from_s: float = 0.0) -> dict:
     """The cluster's engines' step clocks over a trace and the simulated host's steps, grouped by
     engines busy and whether a replica was starting (``starts``: the measured starts' spans;
     ``measured_by_busy``, ``simulated_by_busy``: where the busy host slows the steps); beside the
     replicas' first-token times, the client's (``measured``, the trace's log, on the readings'
-    clock): the path."""
+    clock): the path. ``trace_from_s``: where the trace starts on the record's clock (a lead-in
+    played before it, the probe, is left out as the readings leave it out)."""
     first_tokens = [(first, first - sent) for sent, first in zip(measured.arrival, measured.first_token_s)
                     if not math.isnan(first)]
     by_busy = {"measured": measured_by_busy(clock_windows(readings), first_tokens, starts=starts),
-               "simulated": simulated_by_busy([step for step in host_record if step[0] >= 0.0])}
+               "simulated": simulated_by_busy([step for step in host_record if step[0] >= trace_from_s])}
     return {**by_busy, "cpu_per_step_measured_over_simulated": cpu_per_step_ratios(**by_busy)}
 
 

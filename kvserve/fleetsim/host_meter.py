@@ -17,7 +17,10 @@ second (~5 ms each here) keep ~3% of one core.
 span (the probe's: its fit already holds the host's speed then): each reading's CPU seconds over
 the span's median, smoothed by a running median of ``SMOOTH`` readings, as a step function of
 time (``at``; before the first reading or after the last, the nearest). ``SharedHost(drift=)``
-multiplies every simulated step by it.
+multiplies every simulated step by it. The meter reads our engines' memory traffic with the
+host's, so a cluster with two engines busy reads slower than its probe with one: ``median_over``
+the spans where the cluster was as quiet as its probe gives the host's own move between the
+probe and the trace, one factor (``constant``; the cluster check's ``host_drift_quiet``).
 """
 from __future__ import annotations
 
@@ -104,6 +107,17 @@ class HostDrift:
     def shifted(self, by_s: float) -> "HostDrift":
         """The same drift on a clock that starts ``by_s`` later."""
         return HostDrift(tuple(t - by_s for t in self.times), self.factors)
+
+    def median_over(self, spans: list[tuple[float, float]]) -> tuple[float, int] | None:
+        """The median factor of the readings taken inside ``spans`` (on this drift's clock) and
+        their count; None where none was."""
+        inside = [f for t, f in zip(self.times, self.factors) if any(a <= t < b for a, b in spans)]
+        return (statistics.median(inside), len(inside)) if inside else None
+
+    @classmethod
+    def constant(cls, factor: float) -> "HostDrift":
+        """A host ``factor`` times slower than the reference all along."""
+        return cls((0.0,), (factor,))
 
     def summary(self) -> dict:
         """The factors' spread: min, median, max (JSON-ready)."""

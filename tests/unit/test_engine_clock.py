@@ -2,9 +2,11 @@
 import pytest
 
 from kvserve.fleetsim.engine_clock import (ClockReading, ReplicaClock, clock_windows, cpu_per_step_ratios,
-                                           measured_by_busy, parse_clocks, plane_reach, simulated_by_busy, singles_path, span_clock,
-                                           streamed_tokens)
+                                           measured_by_busy, parse_clocks, plane_reach, quiet_spans,
+                                           simulated_by_busy, singles_path, span_clock, streamed_tokens,
+                                           trace_clocks)
 from kvserve.fleetsim.host_cpu import PlaneFit, SharedHost
+from kvserve.fleetsim.log import RequestLog
 
 METRICS = """# HELP kvserve_engine_step_seconds_total Wall seconds the engine's steps took.
 # TYPE kvserve_engine_step_seconds_total counter
@@ -111,6 +113,23 @@ def test_windows_that_overlap_a_start_are_grouped_apart():
     by_busy = measured_by_busy(clock_windows(readings), starts=[(2.5, 3.5)])
     assert by_busy["1"]["busy_windows"] == 2 and by_busy["1"]["cpu_share"] == pytest.approx(0.925)
     assert by_busy["1 + a start"]["busy_windows"] == 1 and by_busy["1 + a start"]["cpu_share"] == 0.65
+
+
+def test_quiet_spans_hold_at_most_one_engines_busy_share_and_no_start():
+    readings = [reading(0.0, a=(0, 0, 0), b=(0, 0, 0)), reading(2.0, a=(1.0, 1, 10), b=(0.6, 1, 6)),   # 0.8
+                reading(4.0, a=(3.0, 2, 30), b=(1.0, 1, 10)),          # 1.2: two engines' worth
+                reading(6.0, a=(3.5, 2, 35), b=(1.0, 1, 10)),          # 0.25, but a replica started
+                reading(8.0, a=(5.5, 3, 55), b=(1.0, 1, 10))]          # 1.0
+    assert quiet_spans(readings, starts=[(5.0, 5.5)]) == [(0.0, 2.0), (6.0, 8.0)]
+    assert quiet_spans(readings, busy_at_most=1.5) == [(0.0, 2.0), (2.0, 4.0), (4.0, 6.0), (6.0, 8.0)]
+
+
+def test_the_simulated_side_leaves_out_the_lead_in_before_the_trace():
+    record = [(1.0, 1, 1.0, 1.0, 0, 0.010), (6.0, 1, 1.0, 1.0, 0, 0.060), (7.0, 2, 1.0, 1.2, 0, 0.060)]
+    log = RequestLog([0.0], [0], [0], [8], [4])                 # no first token yet: the measured side is empty
+    clocks = trace_clocks([], record, log, trace_from_s=5.0)
+    assert clocks["simulated"]["1"] == {"cpu_share": 1.0, "cpu_per_step_factor": 1.0, "steps": 1, "cpu_ms_per_step": 60.0}
+    assert trace_clocks([], record, log)["simulated"]["1"]["steps"] == 2
 
 
 def test_streamed_tokens_spread_each_output_from_its_first_token_to_its_last():

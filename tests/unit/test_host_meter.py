@@ -29,6 +29,13 @@ def test_the_drift_is_each_reading_over_the_reference_spans_median_smoothed():
     assert drift.summary() == {"readings": 8, "min": 1.0, "median": 1.5, "max": 2.0}
 
 
+def test_the_median_over_spans_reads_only_the_readings_inside_them():
+    drift = HostDrift((0.0, 1.0, 2.0, 3.0, 4.0), (1.0, 0.9, 0.8, 1.3, 0.85))
+    assert drift.median_over([(1.0, 3.0), (4.0, 5.0)]) == (pytest.approx(0.85), 3)      # 0.9, 0.8, 0.85
+    assert drift.median_over([(10.0, 20.0)]) is None and drift.median_over([]) is None
+    assert HostDrift.constant(0.9).at(-3.0) == 0.9 and HostDrift.constant(0.9).at(1e6) == 0.9
+
+
 def test_a_reading_spike_alone_is_smoothed_away_and_an_empty_reference_reads_the_whole_series():
     drift = HostDrift.from_readings([(0.0, 1.0), (1.0, 5.0), (2.0, 1.0)], reference=(50.0, 60.0))
     assert drift.factors == pytest.approx((1.0, 1.0, 1.0))
