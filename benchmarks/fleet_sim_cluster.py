@@ -43,7 +43,7 @@
    cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
    step slowed by the metered drift; ``host_drift_quiet``: by one factor, the drift's median over
-   the trace's spans as quiet as the probe (``host_drift_quiet`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
+   the trace's spans as quiet as the probe (``quiet_drift`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
    core, read by the engine's clock over the probe, the probe fitted on that host too;
@@ -306,7 +306,7 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
             **({"start_contention": run.start_contention.as_dict(host_cores(), run.threads)}
                if run.start_contention else {}),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
-            "host_drift_quiet": (quiet := run.quiet_drift()) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
+            "quiet_drift": (quiet := run.quiet_drift()) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
 
 
