@@ -42,8 +42,8 @@
    ``cores_unshared``: the probe's fit without the shared cores; ``starts_cost_no_cpu``: shared
    cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
    ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
-   step slowed by the metered drift; ``host_drift_quiet``: by one factor, the drift's median over
-   the trace's spans as quiet as the probe (``quiet_drift`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
+   step slowed by the metered drift; ``host_drift_quiet``: the trace's by one factor, the drift's median over
+   its spans as quiet as the probe (``quiet_drift`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
    into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
    core, read by the engine's clock over the probe, the probe fitted on that host too;
@@ -276,12 +276,13 @@ def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated) ->
     """The simulation on the probe's fit with one part changed (the module docstring's list):
     (name, the simulated log and steps); where ``run`` (``ClusterRun``) measured a start's
     contention (``StartContention``), the steps slowed by its ``cpu_factor`` while a replica
-    starts too; where it has a quiet drift, every step slowed by that one factor."""
+    starts too; where it has a quiet drift, every step of the trace slowed by that one factor (the
+    probe played before it, on which the fit was made, not)."""
     from kvserve.fleetsim.host_meter import HostDrift
     drift, start_contention, quiet = run.drift, run.start_contention, run.quiet_drift()
     slowed = host(start_cores, start_contention=start_contention.cpu_factor) if start_contention else None
     measured_start = [("start_contention_measured", on_fit(slowed))] if start_contention else []
-    quiet = [("host_drift_quiet", on_fit(host(start_cores, HostDrift.constant(quiet[0]))))] if quiet else []
+    quiet = [("host_drift_quiet", on_fit(host(start_cores, HostDrift.step(quiet[0], run.probe_lead_s))))] if quiet else []
     return measured_start + quiet + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
             ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(clock, phase_s=None))),
             ("cores_unshared", on_fit(None)),

@@ -20,7 +20,8 @@ time (``at``; before the first reading or after the last, the nearest). ``Shared
 multiplies every simulated step by it. The meter reads our engines' memory traffic with the
 host's, so a cluster with two engines busy reads slower than its probe with one: ``median_over``
 the spans where the cluster was as quiet as its probe gives the host's own move between the
-probe and the trace, one factor (``constant``; the cluster check's ``host_drift_quiet``).
+probe and the trace, one factor (``step``, from the trace's start; the cluster check's
+``host_drift_quiet``).
 """
 from __future__ import annotations
 
@@ -115,9 +116,9 @@ class HostDrift:
         return (statistics.median(inside), len(inside)) if inside else None
 
     @classmethod
-    def constant(cls, factor: float) -> "HostDrift":
-        """A host ``factor`` times slower than the reference all along."""
-        return cls((0.0,), (factor,))
+    def step(cls, factor: float, from_s: float = 0.0) -> "HostDrift":
+        """A host at the reference's speed until ``from_s``, ``factor`` times slower from then on."""
+        return cls((0.0, from_s), (1.0, factor))
 
     def summary(self) -> dict:
         """The factors' spread: min, median, max (JSON-ready)."""

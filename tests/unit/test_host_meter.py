@@ -33,7 +33,9 @@ def test_the_median_over_spans_reads_only_the_readings_inside_them():
     drift = HostDrift((0.0, 1.0, 2.0, 3.0, 4.0), (1.0, 0.9, 0.8, 1.3, 0.85))
     assert drift.median_over([(1.0, 3.0), (4.0, 5.0)]) == (pytest.approx(0.85), 3)      # 0.9, 0.8, 0.85
     assert drift.median_over([(10.0, 20.0)]) is None and drift.median_over([]) is None
-    assert HostDrift.constant(0.9).at(-3.0) == 0.9 and HostDrift.constant(0.9).at(1e6) == 0.9
+    step = HostDrift.step(0.9, from_s=20.0)                 # the probe played at its own speed, then the trace
+    assert step.at(-3.0) == 1.0 and step.at(19.9) == 1.0 and step.at(20.0) == 0.9 and step.at(1e6) == 0.9
+    assert HostDrift.step(1.1).at(0.0) == 1.1
 
 
 def test_a_reading_spike_alone_is_smoothed_away_and_an_empty_reference_reads_the_whole_series():
