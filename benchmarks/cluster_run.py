@@ -4,6 +4,7 @@ with the replicas, their engines' step clocks and the host's drift watched (``Cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import dataclass
 
@@ -48,6 +49,7 @@ class ClusterRun:
         from kvserve.fleetsim.cluster_check import cluster_decision_clock
         return cluster_decision_clock(self.windows, self.trace_wall_s, estimate)
 
+    @functools.cached_property
     def quiet_drift(self) -> tuple[float, int] | None:
         """The metered drift's median over the trace's spans as quiet as the probe (at most one
         engine's busy share, no replica starting: ``engine_clock.quiet_spans``) and its readings:

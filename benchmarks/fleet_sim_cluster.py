@@ -279,7 +279,7 @@ def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated) ->
     starts too; where it has a quiet drift, every step of the trace slowed by that one factor (the
     probe played before it, on which the fit was made, not)."""
     from kvserve.fleetsim.host_meter import HostDrift
-    drift, start_contention, quiet = run.drift, run.start_contention, run.quiet_drift()
+    drift, start_contention, quiet = run.drift, run.start_contention, run.quiet_drift
     slowed = host(start_cores, start_contention=start_contention.cpu_factor) if start_contention else None
     measured_start = [("start_contention_measured", on_fit(slowed))] if start_contention else []
     quiet = [("host_drift_quiet", on_fit(host(start_cores, HostDrift.step(quiet[0], run.probe_lead_s))))] if quiet else []
@@ -307,7 +307,7 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
             **({"start_contention": run.start_contention.as_dict(host_cores(), run.threads)}
                if run.start_contention else {}),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
-            "quiet_drift": (quiet := run.quiet_drift()) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
+            "quiet_drift": (quiet := run.quiet_drift) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
             "measured_requests_per_replica": dict(Counter(map(str, run.served_by)))}
 
 

@@ -131,8 +131,12 @@ def quiet_spans(readings: list[ClockReading], starts: list[tuple[float, float]] 
     ``busy_at_most`` (as loaded as a probe's one engine, or less) and no replica was starting
     (``starts``: (asked, running) spans on the readings' clock)."""
     return [(start, end) for (start, end), span_windows in _by_span(clock_windows(readings)).items()
-            if sum(w["busy"] for w in span_windows) <= busy_at_most
-            and not any(asked < end and start < running for asked, running in starts)]
+            if sum(w["busy"] for w in span_windows) <= busy_at_most and not _overlaps(start, end, starts)]
+
+
+def _overlaps(start: float, end: float, starts) -> bool:
+    """Whether ``(start, end)`` overlaps one of ``starts`` (a replica's (asked, running) span)."""
+    return any(asked < end and start < running for asked, running in starts)
 
 
 STARTING = " + a start"       # the suffix of a group whose windows (or steps) had a replica starting
@@ -149,8 +153,7 @@ def measured_by_busy(windows: list[dict], first_tokens: list[tuple[float, float]
     both ways)."""
     groups: dict[str, list[tuple[tuple[float, float], list[dict]]]] = {}
     for (start, end), span_windows in _by_span(windows).items():
-        starting = any(asked < end and start < running for asked, running in starts)
-        key = str(len(_busy(span_windows, busy_at_least))) + (STARTING if starting else "")
+        key = str(len(_busy(span_windows, busy_at_least))) + (STARTING if _overlaps(start, end, starts) else "")
         groups.setdefault(key, []).append(((start, end), span_windows))
     return {n: _group_figures(members, first_tokens, busy_at_least) for n, members in sorted(groups.items())}
 
