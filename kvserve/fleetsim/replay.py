@@ -175,16 +175,21 @@ def running_steps(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[flo
 
 def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int, int]]:
     """Each scale-up's start as indices into ``changes``: (the change where a replica appeared as
-    STARTING or PENDING_*, the change where the RUNNING count grew), as the poll saw them."""
+    STARTING or PENDING_*, the change where the RUNNING count grew), as the poll saw them. A start
+    given up before it ran (the replica gone with no RUNNING one more: a scale-down decided while
+    it started) ends its window unpaired: the next start is timed from its own beginning."""
     windows, asked_at, last_running = [], None, None
     for i, (_, states) in enumerate(changes):
         running = int(states.get("RUNNING", 0))
         pending = sum(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
+        grew = last_running is not None and running > last_running
         if pending and asked_at is None:
             asked_at = i
-        if last_running is not None and running > last_running and asked_at is not None:
+        if grew and asked_at is not None:
             windows.append((asked_at, i))
             asked_at = i if pending else None
+        elif not pending:
+            asked_at = None                    # given up (or none asked): no start under way
         last_running = running
     return windows
 
@@ -206,5 +211,15 @@ def start_durations(changes: list[tuple[float, dict[str, int]]]) -> list[float]:
 
 
 def start_spans(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[float, float]]:
-    """Each scale-up's start as (asked, running) on the changes' clock (``start_windows``)."""
-    return [(changes[begin][0], changes[end][0]) for begin, end in start_windows(changes)]
+    """The spans some replica was starting (STARTING or PENDING_*) on the changes' clock, a start
+    given up included (its processes ran until it went): from the poll that first saw one to
+    the first that saw none (the last poll where one was still starting at the end)."""
+    spans, begun = [], None
+    for t, states in changes:
+        pending = any(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
+        if pending and begun is None:
+            begun = t
+        elif not pending and begun is not None:
+            spans.append((begun, t))
+            begun = None
+    return spans + ([(begun, changes[-1][0])] if begun is not None else [])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvserve.fleetsim.replay import running_steps, start_durations, start_windows, whole_start_windows
+from kvserve.fleetsim.replay import (running_steps, start_durations, start_spans, start_windows,
+                                     whole_start_windows)
 
 CHANGES = [
     (0.1, {"RUNNING": 1}),
@@ -25,6 +26,7 @@ def test_the_running_count_steps_only_when_it_changes():
 
 def test_a_start_runs_from_the_first_pending_poll_to_the_running_count_growing():
     assert start_windows(CHANGES) == [(1, 3), (6, 7), (7, 8)]
+    assert start_spans(CHANGES) == [(40.2, 51.3), (80.0, 90.5)]       # some replica starting throughout
     assert start_durations(CHANGES) == pytest.approx([51.3 - 40.2, 8.0, 2.5])
 
 
@@ -36,6 +38,21 @@ def test_a_start_under_way_at_the_first_poll_is_not_a_start_duration():
     assert start_durations(probe_started) == pytest.approx([17.5])  # not (8.3 + 17.5) / 2 on average
     only_that_one = probe_started[:3]
     assert start_durations(only_that_one) == pytest.approx([8.3])   # none seen whole: the lower bound
+
+
+def test_a_start_given_up_is_not_timed_into_the_next_one():
+    """The probe's replica still starting at the trace's start, given up as the load fell (no
+    RUNNING one more), then a start in the busy phase: one CI run timed that as 67.8 s from the
+    first poll, and the simulator's replicas took that long to start."""
+    given_up = [(0.21, {"RUNNING": 1, "STARTING": 1}), (23.51, {"RUNNING": 1}),
+                (45.61, {"RUNNING": 1, "STARTING": 1}), (68.01, {"RUNNING": 2})]
+    assert start_windows(given_up) == [(2, 3)]
+    assert start_durations(given_up) == pytest.approx([68.01 - 45.61])
+    assert start_spans(given_up) == [(0.21, 23.51), (45.61, 68.01)]    # its processes ran: not a quiet span
+    stopped_while_pending = [(0.0, {"RUNNING": 1}), (5.0, {"RUNNING": 1, "PENDING_ALLOCATION": 1}),
+                             (9.0, {"RUNNING": 1, "STOPPING": 1}), (20.0, {"RUNNING": 1, "STARTING": 1}),
+                             (31.0, {"RUNNING": 2})]
+    assert start_durations(stopped_while_pending) == pytest.approx([11.0])
 
 
 def test_no_scale_up_no_start():
