@@ -24,7 +24,9 @@ class ClusterRun:
     (``host_meter.HostDrift`` relative to the probe, from the probe's start), ``contention``
     (``host_contention.Contention``) and ``clocks`` / ``probe_clocks``, the engines' step clocks
     read over the trace / the probe (``engine_clock.ClockReading``); ``start_contention``
-    (``start_contention.StartContention``, None where not measured) and the engines' ``threads``."""
+    (``start_contention.StartContention``, None where not measured), the engines' ``threads`` and
+    ``start_layers``, each replica's engine start by layer as the probe's and the trace's watchers
+    first saw it (``ClockWatcher.start_layers``)."""
 
     probed: object
     measured: object
@@ -43,6 +45,7 @@ class ClusterRun:
     probe_clocks: list
     start_contention: object = None
     threads: int = 1
+    start_layers: tuple[dict, dict] = ({}, {})
 
     def clock(self, estimate):
         """The cluster's decision clock (``cluster_check.cluster_decision_clock``)."""
@@ -63,6 +66,19 @@ class ClusterRun:
         (``cluster_check.windows_as_loads``)."""
         from kvserve.fleetsim.cluster_check import windows_as_loads
         return windows_as_loads(self.windows, capacity, self.trace_wall_s)
+
+    def replica_start_layers(self) -> dict:
+        """The replicas' engine starts by layer: ``initial``, those running as the probe began;
+        ``probe``, those first seen running over the probe; ``trace``, over the trace, each beside
+        its start as the trace's poll timed it (``start_layers.replica_layers``)."""
+        from kvserve.fleetsim.start_layers import replica_layers, start_spans_seen
+        over_probe, over_trace = self.start_layers
+        initial = set(self.probe_clocks[0].replicas) if self.probe_clocks else set()
+        return {"initial": replica_layers(over_probe, set(over_probe) - initial),
+                "probe": replica_layers(over_probe, initial),
+                "trace": replica_layers(over_trace, initial | set(over_probe), start_spans_seen(self.changes),
+                                        self.trace_wall_s),
+                "changes": [[round(t, 2), states] for t, states in self.changes]}
 
 
 def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threads: int = 1,
@@ -99,4 +115,5 @@ def measure_cluster(flags: list[str], trace, probe, vocab: int, seed: int, threa
     return ClusterRun(probed, measured, served_by, changes, snapshots, plane, stats_age_s,
                       decisions.get("mean_sample_age_s"), decisions.get("windows", []), trace_t0 - probe_t0,
                       trace_wall_s, HostDrift.from_readings(meter.readings, (probe_t0, probe_end), origin=probe_t0),
-                      contention, clocks.readings, probe_clocks.readings, starting, threads)
+                      contention, clocks.readings, probe_clocks.readings, starting, threads,
+                      (probe_clocks.start_layers, clocks.start_layers))

@@ -61,11 +61,13 @@ def parse_clocks(text: str) -> dict[str, ReplicaClock]:
 
 class ClockWatcher:
     """A thread that scrapes ``url``'s ``/metrics`` every ``period_s`` (a context manager);
-    ``readings`` on the clock ``perf_counter() - t0``."""
+    ``readings`` on the clock ``perf_counter() - t0``, and ``start_layers``: each replica's
+    engine start by layer, in the order first seen (``start_layers.parse_start_layers``)."""
 
     def __init__(self, url: str, t0: float, period_s: float = 2.0):
         self.url, self.t0, self.period_s = url.rstrip("/"), t0, period_s
         self.readings: list[ClockReading] = []
+        self.start_layers: dict[str, dict[str, float]] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-clock-watcher", daemon=True)
 
@@ -79,11 +81,15 @@ class ClockWatcher:
 
     def _run(self) -> None:
         import httpx
+
+        from kvserve.fleetsim.start_layers import parse_start_layers
         with httpx.Client(timeout=10.0) as client:
             while not self._stop.is_set():
                 try:
                     text = client.get(self.url + "/metrics").text
                     self.readings.append(ClockReading(time.perf_counter() - self.t0, parse_clocks(text)))
+                    for replica, layers in parse_start_layers(text).items():
+                        self.start_layers.setdefault(replica, layers)
                 except httpx.HTTPError:
                     pass                       # a scrape lost to a replica starting: the next one
                 self._stop.wait(self.period_s)

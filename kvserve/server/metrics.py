@@ -289,11 +289,15 @@ class StartMetrics:
                             "device), warmup (bandwidth probe, KV allocation, warm-up pass).", additive=False)
         self.phases = Gauge("kvserve_start_phase_seconds", "The engine's start-up phases (EngineCore.start_timings).",
                             additive=False)
-        self.all = [self.layers, self.phases]
+        self.ready_at = Gauge("kvserve_start_ready_time_seconds", "Unix time this replica's engine became ready "
+                              "(less the layers' sum: when its process was spawned).", additive=False)
+        self.all = [self.layers, self.phases, self.ready_at]
 
-    def record(self, phases: dict, process_s: float) -> None:
-        """The engine process's start (spawn to ready, seconds) and its phases."""
+    def record(self, phases: dict, process_s: float, ready_at: float | None = None) -> None:
+        """The engine process's start (spawn to ready, seconds), its phases and the Unix time it
+        became ready (None: now)."""
         from kvserve.coldstart.layers import split_layers
+        self.ready_at.set(round(time.time() if ready_at is None else ready_at, 3))
         for layer, seconds in split_layers(phases, process_s).items():
             self.layers.set(round(seconds, 4), layer=layer.removesuffix("_s"))
         for phase, seconds in phases.items():
