@@ -11,6 +11,7 @@ layer on /metrics is shorter than the cold replica's (measured 0.64 s vs 1.85 s;
 2.3 s and warm-up 0.33 vs 0.31 s, which the cache does not touch)."""
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -106,11 +107,25 @@ def test_a_cold_model_scales_from_zero_on_its_first_request(cluster):
     assert _engine(cluster)["autoscale"]["replicas"] == 1 and _engine(cluster)["autoscale"]["tier"] == "cold"
 
 
-def _replica_start_layers(cluster) -> dict[str, float]:
-    """The one replica's ``kvserve_cold_start_seconds{layer}`` through the ingress's /metrics."""
+def _replica_start_layers(cluster, family: str = "kvserve_cold_start_seconds", label: str = "layer"
+                          ) -> dict[str, float]:
+    """The one replica's ``kvserve_cold_start_seconds{layer}`` (or another family by another
+    label: ``kvserve_start_phase_seconds{phase}``) through the ingress's /metrics."""
     samples = parse_metrics(httpx.get(cluster.url + "/metrics", timeout=60).text)
-    return {re.search(r'layer="(\w+)"', k).group(1): v for k, v in samples.items()
-            if k.startswith("kvserve_cold_start_seconds{")}
+    return {re.search(label + r'="(\w+)"', k).group(1): v for k, v in samples.items() if k.startswith(family + "{")}
+
+
+@pytest.fixture
+def host_cache_dir():
+    """A fresh host-cache folder in host memory (/dev/shm, where the cache lives by default:
+    ``warm_tier.DEFAULT_ROOT``), removed afterwards. On the disk (a ``tmp_path``) the write-back
+    of the just-filled cache can compete with the replica mapping it: one run's warm weights
+    layer took 4.3 s against the cold one's 3.2 s (not confirmed as the cause)."""
+    import shutil
+    import tempfile
+    root = tempfile.mkdtemp(prefix="kvserve-test-weights-", dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    yield os.path.join(root, "weights")
+    shutil.rmtree(root, ignore_errors=True)
 
 
 def _engine_logs(cluster) -> str:
@@ -118,22 +133,23 @@ def _engine_logs(cluster) -> str:
                    for p in glob.glob(os.path.join(cluster.logs_dir(), "worker-*.err")))
 
 
-def test_a_warm_model_starts_from_host_memory_without_reading_its_checkpoint(cluster, tmp_path):
+def test_a_warm_model_starts_from_host_memory_without_reading_its_checkpoint(cluster, host_cache_dir):
     """Test 2's second half: the same scale from zero with ``--tier warm`` (the weights packed in
     the host cache before the deployment starts): the weights layer is shorter than the cold
     replica's, and the replica's engine mapped them (a host-cache hit: no GGUF read or unpack)."""
     if _engine(cluster)["running"] == 0:                 # run alone: wake the cold model first
         assert httpx.post(cluster.base_url + "/chat/completions", json=BODY, timeout=150).status_code == 200
-    cold = _replica_start_layers(cluster)
+    phases_of = functools.partial(_replica_start_layers, family="kvserve_start_phase_seconds", label="phase")
+    cold, cold_phases = _replica_start_layers(cluster), phases_of(cluster)
     assert "host weight cache" not in _engine_logs(cluster)
     cluster.stop()                                       # one local Ray at a time
-    with ColdCluster(*FLAGS, "--tier", "warm", "--weight-cache", str(tmp_path / "weights"),
+    with ColdCluster(*FLAGS, "--tier", "warm", "--weight-cache", host_cache_dir,
                      command=("cluster", "serve"), startup_timeout_s=180) as warm:
         assert _engine(warm)["running"] == 0             # warm: weights resident, no replica
         r = httpx.post(warm.base_url + "/chat/completions", json=BODY, timeout=150)
         assert r.status_code == 200, r.text
-        layers = _replica_start_layers(warm)
+        layers, phases = _replica_start_layers(warm), phases_of(warm)
         logs = _engine_logs(warm)
     assert set(cold) == set(layers) == {"runtime", "weights", "warmup"}, (cold, layers)
     assert re.search(r"host weight cache \S+: hit", logs), logs[-3000:]
-    assert layers["weights"] < cold["weights"], (layers, cold)
+    assert layers["weights"] < cold["weights"], (layers, cold, phases, cold_phases)

@@ -27,7 +27,10 @@ plays the probe before the trace, as the cluster took it, so the autoscaler's fi
 its load; reads and decides on the cluster's own clock: the spacing, phase and age of the readings
 its policy closed its demand windows on (``decision_clock``, from ``cluster_windows``). The host's
 drift over the run, read by a small fixed workload beside the cluster (``fleetsim/host_meter.py``),
-is reported, not applied: over fifteen runs it made every figure worse (TTFT p99's mean |log
+is played as one factor, its median over the trace's spans as quiet as the probe (the host's
+move from the probe to the trace: over five runs on a host that moved 20-30% within minutes,
+TTFT p50's mean |log ratio| 0.18 against 0.35 without; over nine on a steady one 0.045 against
+0.034), not over time (over fifteen runs that made every figure worse: TTFT p99's mean |log
 ratio| 0.35 against 0.23 without). The autoscaler's input is compared window by window
 (``window_loads``: the simulated windows read at the cluster's moments; nine runs: the loads'
 median ratio 0.99-1.00, 0.03-0.06 of a replica apart on the mean, on the same side of the
@@ -77,14 +80,23 @@ replica for 20 s (TTFT p50 0.68x and 0.78x). At 35 s the probe's replica has gon
 the step.
 When the latencies or the count fall outside their bands, either side did not go from one
 replica to two and back, or the probe's fit finds the profile off (a decode or prefill slowdown
-outside 0.8-1.5), the check runs again, with a new profile, cluster and probe, up to three times
+outside 0.8-1.5), the check runs again, with a new profile, cluster and probe, up to four times
 (``ATTEMPTS``: in one CI run on the AVX-512 EPYC both of two attempts missed, the second ending
 with a side at two replicas; its profiles planned a request 8-13% dearer than the session's
-others), and reports the earlier runs' ratios beside the last's. The count's is there because the cluster and the simulator read the same windows: a
-window that read 0.669 of a replica in the cluster (x 1.5 = 1.004, over the threshold of 1) read
-under it simulated, and the simulator scaled up three windows later (mean abs. diff 0.21).
+others; a CI run needed all three of three, and on the same EPYC an hour when the host moved
+20-30% within minutes a run missed all three, two of them to a bug since fixed), and reports
+the earlier runs' ratios beside the last's. The count's is there because the cluster and the
+simulator read the same windows: a window that read 0.669 of a replica in the cluster (x 1.5 =
+1.004, over the threshold of 1) read under it simulated, and the simulator scaled up three
+windows later (mean abs. diff 0.21).
+Each missed attempt is a warning naming the bands it missed (in the warnings summary, passed or
+failed), and every attempt's JSON is kept in the test's ``tmp_path`` (``attempt<N>.json``, with
+the profile it ran on), so a CI run that needed its retries says why.
 """
 from __future__ import annotations
+
+import json
+import warnings
 
 import pytest
 
@@ -93,23 +105,27 @@ from benchmarks.fleet_sim_cluster import check, profile, trace_requests, trace_s
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
 PHASES = [(35.0, 0.25), (40.0, 0.8), (60.0, 0.2)]   # (seconds, load); the first and last: the module docstring
-ATTEMPTS = 3          # another profile, cluster and probe when a run falls outside the bands
+ATTEMPTS = 4          # another profile, cluster and probe when a run falls outside the bands (three: the docstring)
 MIN_TRACE_REQUESTS = 50   # fewer, and the p99 is the slowest request, and the probe alone may scale up
 
 
-def _within_bands(result: dict) -> bool:
-    """Both sides went from one replica to two and back, and the latencies and the replica count
-    are within the bands the test holds them to, on a profile the probe found sane (the engines
-    in place no more than 1.25x faster or 1.5x slower: a profile timed slow at one sequence, as
-    one here 23% slower than the runs before and after it, gives a decode slowdown under 0.8)."""
-    fit = result["host_fit"]
-    went_back = all(max(c for _, c in result[side]["replica_steps"]) == 2 and result[side]["replica_steps"][-1][1] == 1
-                    for side in ("measured", "simulated"))
-    return (went_back and 0.8 <= fit["slowdown"] <= 1.5 and 0.8 <= fit["prefill_slowdown"] <= 1.5
-            and 0.5 <= result["ratio"]["p50_ttft_s"] <= 1.4 and 0.25 <= result["ratio"]["p99_ttft_s"] <= 1.5
-            and 0.8 <= result["ratio"]["replica_seconds"] <= 1.2
-            and result["replica_count_mean_abs_diff_over_mean"] <= 0.2
-            and result["window_loads"].get("same_side_of_threshold", 0.0) >= 0.75)
+def _misses(result: dict) -> list[str]:
+    """The bands a run fell outside, named with the figure that missed (empty: within them all):
+    both sides went from one replica to two and back, the latencies and the replica count are
+    within the bands the test holds them to, on a profile the probe found sane (the engines in
+    place no more than 1.25x faster or 1.5x slower: a profile timed slow at one sequence, as one
+    here 23% slower than the runs before and after it, gives a decode slowdown under 0.8)."""
+    misses = [f"{side} replicas {[count for _, count in result[side]['replica_steps']]}"
+              for side in ("measured", "simulated")
+              if max(c for _, c in result[side]["replica_steps"]) != 2 or result[side]["replica_steps"][-1][1] != 1]
+    fit, ratio = result["host_fit"], result["ratio"]
+    bands = [("decode slowdown", fit["slowdown"], 0.8, 1.5), ("prefill slowdown", fit["prefill_slowdown"], 0.8, 1.5),
+             ("TTFT p50", ratio["p50_ttft_s"], 0.5, 1.4), ("TTFT p99", ratio["p99_ttft_s"], 0.25, 1.5),
+             ("replica-seconds", ratio["replica_seconds"], 0.8, 1.2),
+             ("replica count mean abs. diff", result["replica_count_mean_abs_diff_over_mean"], 0.0, 0.2),
+             ("windows on the same side", result.get("window_loads", {}).get("same_side_of_threshold", 0.0), 0.75, 1.0)]
+    return misses + [f"{name} {value:.3f} outside {low}-{high}" for name, value, low, high in bands
+                     if not low <= value <= high]
 
 
 def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
@@ -124,11 +140,12 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
                         f"{MIN_TRACE_REQUESTS}): its probe alone would scale the cluster up, its p99 would be one "
                         "request (docs/fleet_simulator.md)")
         result, *_ = check(hardware, PHASES, shape=shape)
-        if _within_bands(result):
+        (tmp_path / f"attempt{attempt}.json").write_text(json.dumps(result, indent=1, default=str))  # kept by pytest
+        if not (misses := _misses(result)):
             break
-        earlier.append({k: result[k] for k in ("ratio", "replica_start_s", "host_fit")})
-        print(f"attempt {attempt} missed: {earlier[-1]['ratio']}; steps measured "       # shown when the test fails
-              f"{result['measured']['replica_steps']}, simulated {result['simulated']['replica_steps']}")
+        earlier.append({"misses": misses, **{k: result[k] for k in ("ratio", "replica_start_s", "host_fit")}})
+        warnings.warn(f"attempt {attempt} missed: {'; '.join(misses)}; ratios {result['ratio']}, replica start "
+                      f"{result['replica_start_s']:.1f} s")     # in the warnings summary, passed or failed
     result["earlier_attempts"] = earlier
     assert result["measured"]["not_served"] == 0 and result["simulated"]["not_served"] == 0
     # the step up made both add a replica, and both went back to one
