@@ -27,26 +27,33 @@
    ingress queue and autoscaling settings, the engine's scheduler, the profile's step times
    slowed by the probe's factors and per-sequence cost, the probe's path latency, the replica
    start the cluster took, the host's cores shared by the busy engines, the replicas starting
-   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane, the
-   busy engines' memory contention, and
+   (the cores a start kept busy, measured from /proc over the trace's starts) and the plane
+   (with the share of the plane's and background's load that lands on a busy engine's core, read
+   by the engine's clock over the probe's stream, ``plane_reach``; the probe is fitted on that
+   shared host, so its factors hold only what the host does not), the busy engines' memory
+   contention, and
    the router's view of the replicas: their stats as Ray Serve delivers them, every
    ``ROUTING_STATS_PERIOD_S`` and as old as the ingress measured at its decisions
    (``kvserve_router_stats_age_seconds``; ``fleetsim/router_view.py``). It plays the probe first,
    at the lead it had (its load is in the autoscaler's first windows), reads and decides on the
    cluster's own clock (``ClusterRun.clock``: the spacing, phase and age of the readings its
    policy closed its demand windows on, ``cluster_windows``). The host's drift is read beside the
-   cluster by ``fleetsim/host_meter.py`` and reported, but steps are not slowed by it: over
-   fifteen runs it made every figure worse (TTFT p99's mean |log ratio| 0.35 against 0.23; the
-   meter reads our own engines' memory traffic with the host's; docs/fleet_simulator.md).
+   cluster by ``fleetsim/host_meter.py``; the trace's steps are slowed by one factor of it, its
+   median over the trace's spans as quiet as the probe (``quiet_drift`` in the JSON,
+   ``trace_drift``: the host's move from the probe to the trace), not by the drift over time
+   (over fifteen runs that made every figure worse: TTFT p99's mean |log ratio| 0.35 against
+   0.23; the meter reads our own engines' memory traffic with the host's; docs/fleet_simulator.md).
    Beside it, the same with one part changed (``profile_alone``: on the bare profile;
-   ``cores_unshared``: the probe's fit without the shared cores; ``starts_cost_no_cpu``: shared
-   cores, the starts left out; ``memory_contention_off``: the busy engines share the cores only;
-   ``router_view_live``: the router sees the replicas as they are; ``host_drift_metered``: every
-   step slowed by the metered drift; ``host_drift_quiet``: the trace's by one factor, the drift's median over
-   its spans as quiet as the probe (``quiet_drift`` in the JSON); ``probe_not_played``; ``decision_clock_estimated``:
+   ``cores_unshared``: the probe's fit without the shared cores (nor the quiet drift, played on
+   them); ``starts_cost_no_cpu``: shared cores, the starts left out; ``memory_contention_off``: the
+   busy engines share the cores only; ``router_view_live``: the router sees the replicas as they
+   are; ``host_drift_metered``: every step slowed by the metered drift over time;
+   ``host_drift_none``: the trace at the probe's speed; ``engine_clock_speed``: the trace's steps
+   by one factor from the engines' own CPU per step where one was busy alone, over the simulated
+   (``engine_clocks``' ``cpu_per_step_measured_over_simulated``); ``probe_not_played``; ``decision_clock_estimated``:
    ``ray_decision_timing``'s clock; ``window_phase_unaligned``: the cluster's spacing and age, the first reading one interval
-   into the probe; ``with_plane_reach``: the plane's and background's reach onto a busy engine's
-   core, read by the engine's clock over the probe, the probe fitted on that host too;
+   into the probe; ``plane_reach_off``: no reach, the probe fitted on an unshared host
+   (``plane_reach_off_fit``; the main comparison until 2026-12-07);
    ``decode_one_factor``: the probe's decode fitted as one factor on its stream, no per-sequence
    cost, ``decode_one_factor_fit``; with ``--start-contention``, ``start_contention_measured``:
    the steps slowed while a replica starts by an engine's CPU per run beside a replica start,
@@ -194,6 +201,26 @@ def trace_requests(phases: list[tuple[float, float]], shape) -> float:
     return sum(seconds * rate for seconds, rate in load_rates(phases, shape))
 
 
+def case(hw_path: str, phases, shape, demand_window_s: float, downscale_window_s: float, seed: int, dtype: str,
+         start_probe: bool) -> tuple:
+    """The check's cluster and requests: the cluster's parsed arguments and autoscaling settings,
+    the phases' rates, the trace and the probe (``shape``'s lengths), and ``measure()``, which runs
+    the cluster on them (``measure_cluster``)."""
+    from kvserve.fleetsim.cluster_check import phased_trace
+    from kvserve.fleetsim.host_fit import probe_trace
+    from kvserve.loader.api import default_model_path
+    from kvserve.planner.model_io import model_from_gguf
+    lengths = (shape.prompt_tokens, shape.output_tokens)
+    flags = cluster_flags(hw_path, lengths, demand_window_s, downscale_window_s, dtype)
+    (args, settings), rates = cluster_settings(flags), load_rates(phases, shape)
+    trace = phased_trace(rates, *lengths, seed)
+    probe = probe_trace(**PROBE_STREAM, prompt_tokens=lengths[0], output_tokens=lengths[1], gap_s=shape.singles_gap_s)
+    measure = functools.partial(measure_cluster, flags, trace, probe, model_from_gguf(default_model_path()).vocab_size,
+                                seed, threads=args.threads, workload=(args.max_num_seqs, *lengths), dtype=dtype,
+                                start_probe=start_probe)
+    return args, settings, rates, trace, probe, measure
+
+
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False,
           dtype: str = "auto", shape=None, start_probe: bool = False) -> tuple[dict, object, object, object | None]:
@@ -203,44 +230,40 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     ``shape`` (None: ``trace_shape`` on ``hw_path``), the engines' weights in ``dtype``. With
     ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
     simulator is (``cluster_repeat``); ``start_probe``: ``measure_cluster``'s, for a variant."""
-    from kvserve.fleetsim.cluster_check import compare_cluster, phased_trace, ray_decision_timing, windows_as_loads
+    from kvserve.fleetsim.cluster_check import compare_cluster, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.cluster_sim import ClusterSimulator
     from kvserve.fleetsim.cluster_reads import router_stats, starting_cores
     from kvserve.fleetsim.engine_clock import trace_clocks
     from kvserve.fleetsim.host_cpu import SharedHost
-    from kvserve.fleetsim.host_fit import probe_trace
     from kvserve.fleetsim.replay import running_steps, start_durations, start_spans
-    from kvserve.loader.api import default_model_path
-    from kvserve.planner.model_io import model_from_gguf
 
     shape = shape or trace_shape(hw_path)
-    lengths = (shape.prompt_tokens, shape.output_tokens)
-    flags = cluster_flags(hw_path, lengths, demand_window_s, downscale_window_s, dtype)
-    (args, settings), rates = cluster_settings(flags), load_rates(phases, shape)
-    trace = phased_trace(rates, *lengths, seed)
-    probe = probe_trace(**PROBE_STREAM, prompt_tokens=lengths[0], output_tokens=lengths[1], gap_s=shape.singles_gap_s)
-    measure = functools.partial(measure_cluster, flags, trace, probe, model_from_gguf(default_model_path()).vocab_size,
-                                seed, threads=args.threads, workload=(args.max_num_seqs, *lengths), dtype=dtype,
-                                start_probe=start_probe)
+    args, settings, rates, trace, probe, measure = case(hw_path, phases, shape, demand_window_s, downscale_window_s,
+                                                        seed, dtype, start_probe)
     run = measure()
     estimated = ray_decision_timing(demand_window_s)
     simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
     plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
     start_s, start_cores = sum(starts) / len(starts) if starts else 0.0, starting_cores(run.changes, run.snapshots)
-    fit, one_factor = fit_probe(run, probe, simulate), fit_probe(run, probe, simulate, per_sequence=False)
+    reach = probe_reach(run, probe)
+    host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor,
+                             drift=trace_drift(run), reach=reach or 0.0)
+    fit, one_factor, unreached = (fit_probe(run, probe, simulate, host=lambda: host(0.0)),
+                                  fit_probe(run, probe, simulate, host=lambda: host(0.0), per_sequence=False),
+                                  fit_probe(run, probe, simulate))
     stats = router_stats(run.stats_age_s)
     on_fit = functools.partial(simulate_on_fit, simulate, trace, fit, start_s, router_stats=stats, lead_in=lead_in)
-    host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor)
     simulated, sim_steps = on_fit(host(start_cores, record=(host_record := [])), windows=(sim_windows := []))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
                                 end_s=sum(seconds for seconds, _ in phases))
     result = compare(simulated, sim_steps)
-    probe_clocks, reach_sim = reached(run, probe, simulate, host, start_s, start_cores,
-                                      dict(router_stats=stats, lead_in=lead_in), trace)
+    clocks = trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes), lead_in[1])
     variants = {name: compare(*sim) for name, sim in (
         ("profile_alone", simulate(trace, 1.0, 0.0, start_s, router_stats=stats, lead_in=lead_in)),
-        *one_part_changed(on_fit, host, start_cores, run, simulate.clock, estimated),
-        ("with_plane_reach", reach_sim), ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
+        *one_part_changed(on_fit, host, start_cores, run, simulate.clock, estimated,
+                          clocks["cpu_per_step_measured_over_simulated"].get("1")),
+        ("plane_reach_off", on_fit(host(start_cores, reach=0.0), fitted=unreached)),
+        ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
     again = measure() if repeat else None
     return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
             "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
@@ -249,11 +272,22 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                             windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
             "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
             "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
-            "host_fit": fit.as_dict(), "decode_one_factor_fit": one_factor.as_dict(), **probe_clocks,
-            "engine_clocks": trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes), lead_in[1]),
+            "host_fit": fit.as_dict(), "decode_one_factor_fit": one_factor.as_dict(),
+            "plane_reach_off_fit": unreached.as_dict(), **probe_record(run, probe, reach),
+            "engine_clocks": clocks,
             **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
             **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
         run.measured, simulated, again.measured if again else None
+
+
+def trace_drift(run):
+    """The host's move from the probe to the trace, played in the main comparison: every step of
+    the trace slowed by one factor, the drift meter's median over the trace's spans as quiet as the
+    probe (``ClusterRun.quiet_drift``), the probe played before it at its own speed (the fit was
+    made on it); None where no span was as quiet."""
+    from kvserve.fleetsim.host_meter import HostDrift
+    quiet = run.quiet_drift
+    return HostDrift.step(quiet[0], run.probe_lead_s) if quiet else None
 
 
 def simulate_on_fit(simulate, trace, fit, start_s: float, host=None, fitted=None, **kwargs):
@@ -272,23 +306,29 @@ def repeat_record(compared: dict) -> dict:
             "replica_count_mean_abs_diff_over_mean": compared["replica_count_mean_abs_diff_over_mean"]}
 
 
-def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated) -> list[tuple[str, tuple]]:
+def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated,
+                     engine_speed: float | None = None) -> list[tuple[str, tuple]]:
     """The simulation on the probe's fit with one part changed (the module docstring's list):
     (name, the simulated log and steps); where ``run`` (``ClusterRun``) measured a start's
     contention (``StartContention``), the steps slowed by its ``cpu_factor`` while a replica
-    starts too; where it has a quiet drift, every step of the trace slowed by that one factor (the
-    probe played before it, on which the fit was made, not)."""
+    starts too; where it has a quiet drift (``trace_drift``, played in the main comparison), the
+    trace's steps at the probe's speed; where the engines' clocks had windows of one engine busy
+    alone, every step of the trace slowed by ``engine_speed`` instead, their CPU per step over the
+    simulated (``engine_clock.cpu_per_step_ratios``' ``"1"``) times the quiet drift."""
     from kvserve.fleetsim.host_meter import HostDrift
-    drift, start_contention, quiet = run.drift, run.start_contention, run.quiet_drift
+    start_contention, quiet = run.start_contention, run.quiet_drift
     slowed = host(start_cores, start_contention=start_contention.cpu_factor) if start_contention else None
-    measured_start = [("start_contention_measured", on_fit(slowed))] if start_contention else []
-    quiet = [("host_drift_quiet", on_fit(host(start_cores, HostDrift.step(quiet[0], run.probe_lead_s))))] if quiet else []
-    return measured_start + quiet + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
+    changed = [("start_contention_measured", on_fit(slowed))] if start_contention else []
+    changed += [("host_drift_none", on_fit(host(start_cores, drift=None)))] if quiet else []
+    speed = engine_speed and engine_speed * (quiet[0] if quiet else 1.0)
+    changed += [("engine_clock_speed", on_fit(host(start_cores, drift=HostDrift.step(speed, run.probe_lead_s))))
+                ] if speed else []
+    return changed + [("decision_clock_estimated", on_fit(host(start_cores), clock=estimated)),
             ("window_phase_unaligned", on_fit(host(start_cores), clock=replace(clock, phase_s=None))),
             ("cores_unshared", on_fit(None)),
             ("memory_contention_off", on_fit(host(start_cores, contention=1.0))),
             ("starts_cost_no_cpu", on_fit(host())),
-            ("host_drift_metered", on_fit(host(start_cores, drift))),
+            ("host_drift_metered", on_fit(host(start_cores, drift=run.drift))),
             ("router_view_live", on_fit(host(start_cores), router_stats=None)),
             ("probe_not_played", on_fit(host(start_cores), lead_in=None))]
 
@@ -299,7 +339,7 @@ def cluster_record(run, clock, starts: list[float], start_cores: float, stats: t
     contention, drift), the probe's lead and who served the trace."""
     return {"replica_start_s": round(sum(starts) / len(starts), 2) if starts else 0.0,
             "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
-            "decision_sample_age_s": run.sample_age_s,
+            "replica_start_layers": run.replica_start_layers(), "decision_sample_age_s": run.sample_age_s,
             "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(clock).items()},
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4),
                              "delay_s": round(stats[1], 4)},
@@ -315,32 +355,33 @@ def rounded(value: float | None, digits: int = 4) -> float | None:
     return None if value is None else round(value, digits)
 
 
-def reached(run, probe, simulate, host, start_s: float, start_cores: float, common: dict, trace) -> tuple[dict, tuple]:
+def probe_reach(run, probe) -> float | None:
+    """The share of the plane's and the background's load that lands on a busy engine's core
+    (``engine_clock.plane_reach``), read by the engine's clock over the probe's stream, which
+    loads the plane as the trace does: the shared host's ``reach``, the probe fitted on it (so
+    the fit's factors hold only what the host does not) and the trace played on it."""
+    from kvserve.fleetsim.engine_clock import plane_reach
+    from kvserve.fleetsim.host_fit import SINGLE_PROMPTS
+    return plane_reach(run.probe_clocks, run.probed, run.plane, since=probe.arrival[len(SINGLE_PROMPTS)])
+
+
+def probe_record(run, probe, reach: float | None) -> dict:
     """What the engine's clock read over the probe (``engine_clock``): the one-at-a-time requests'
-    serving path (``probe_path_measured_s``: beside the fit's ``path_latency_s``) and the share
-    of the plane's and the background's load that lands on a busy engine's core (``plane_reach``,
-    over the probe's stream, which loads the plane as the trace does; reported only, the same over
-    the whole probe, ``plane_reach_whole_probe``, and over the trace, ``plane_reach_over_trace``); and the trace
-    simulated on a host with the probe's reach (``SharedHost(reach=)``, ``host`` without it), the
-    probe fitted on that host too, so that the fit's factors hold only what the host does not
-    (``plane_reach_fit``); the engines' steps over the probe's singles and over its stream
-    (``probe_clock``: ``engine_clock.span_clock``) and its requests' measured TTFT and TPOT
-    (``probe_measured``: a fit can be redone from the JSON): (those figures, (the simulated log,
-    steps))."""
+    serving path (``probe_path_measured_s``: beside the fit's ``path_latency_s``), the plane's
+    ``reach`` (``probe_reach``; the same over the whole probe, ``plane_reach_whole_probe``, and
+    over the trace, ``plane_reach_over_trace``, reported only), the engines' steps over the
+    probe's singles and over its stream (``probe_clock``: ``engine_clock.span_clock``) and its
+    requests' measured TTFT and TPOT (``probe_measured``: a fit can be redone from the JSON)."""
     from kvserve.fleetsim.engine_clock import plane_reach, singles_path, span_clock
     from kvserve.fleetsim.host_fit import SINGLE_PROMPTS
     stream_start = probe.arrival[len(SINGLE_PROMPTS)]
-    reach = plane_reach(run.probe_clocks, run.probed, run.plane, since=stream_start)
-    fit = fit_probe(run, probe, simulate, host=lambda: host(0.0, reach=reach or 0.0))
-    sim = simulate(trace, fit.slowdown, fit.seq_extra_s, start_s, fit.path_latency_s,
-                   host(start_cores, reach=reach or 0.0), prefill_slowdown=fit.prefill_slowdown, **common)
     return {"probe_path_measured_s": rounded(singles_path(run.probe_clocks, run.probed, len(SINGLE_PROMPTS))),
-            "plane_reach": rounded(reach), "plane_reach_fit": fit.as_dict(),
+            "plane_reach": rounded(reach),
             "probe_clock": {"singles": span_clock(run.probe_clocks, 0.0, stream_start),
                             "stream": span_clock(run.probe_clocks, stream_start)},
             "probe_measured": {k: [rounded(float(v)) for v in run.probed.arrays()[k]] for k in ("ttft_s", "tpot_s")},
             "plane_reach_whole_probe": rounded(plane_reach(run.probe_clocks, run.probed, run.plane)),
-            "plane_reach_over_trace": rounded(plane_reach(run.clocks, run.measured, run.plane))}, sim
+            "plane_reach_over_trace": rounded(plane_reach(run.clocks, run.measured, run.plane))}
 
 
 def window_record(measured: list, simulated: list, headroom: float) -> dict:
