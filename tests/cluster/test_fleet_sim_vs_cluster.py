@@ -30,8 +30,9 @@ drift over the run, read by a small fixed workload beside the cluster (``fleetsi
 is played as one factor, its median over the trace's spans as quiet as the probe (the host's
 move from the probe to the trace: over six attempts on a host that moved 20-30% within
 minutes, TTFT p50's mean |log ratio| 0.29 against 0.35 without; over nine runs on a steady one
-0.045 against 0.034; the probe is fitted on the shared host, docs/fleet_simulator.md), not over time (over fifteen runs that made every figure worse: TTFT p99's mean |log
-ratio| 0.35 against 0.23 without). The autoscaler's input is compared window by window
+0.045 against 0.034; the probe is fitted on the shared host, docs/fleet_simulator.md), not over
+time (over fifteen runs that made every figure worse: TTFT p99's mean |log ratio| 0.35 against
+0.23 without). The autoscaler's input is compared window by window
 (``window_loads``: the simulated windows read at the cluster's moments; nine runs: the loads'
 median ratio 0.99-1.00, 0.03-0.06 of a replica apart on the mean, on the same side of the
 scale-up threshold in 84-100% of the windows). The fit is checked to be sane (slowdowns of at
