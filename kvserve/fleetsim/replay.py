@@ -173,6 +173,11 @@ def running_steps(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[flo
     return steps
 
 
+def starting(states: dict[str, int]) -> int:
+    """How many replicas one poll saw starting (STARTING or PENDING_*)."""
+    return sum(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
+
+
 def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int, int]]:
     """Each scale-up's start as indices into ``changes``: (the change where a replica appeared as
     STARTING or PENDING_*, the change where the RUNNING count grew), as the poll saw them. A start
@@ -181,7 +186,7 @@ def start_windows(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[int
     windows, asked_at, last_running = [], None, None
     for i, (_, states) in enumerate(changes):
         running = int(states.get("RUNNING", 0))
-        pending = sum(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
+        pending = starting(states)
         grew = last_running is not None and running > last_running
         if pending and asked_at is None:
             asked_at = i
@@ -216,7 +221,7 @@ def start_spans(changes: list[tuple[float, dict[str, int]]]) -> list[tuple[float
     the first that saw none (the last poll where one was still starting at the end)."""
     spans, begun = [], None
     for t, states in changes:
-        pending = any(v for k, v in states.items() if k.startswith("PENDING") or k == "STARTING")
+        pending = starting(states)
         if pending and begun is None:
             begun = t
         elif not pending and begun is not None:

@@ -47,17 +47,19 @@ def replica_layers(seen: dict[str, dict[str, float]], first: set[str],
     from asked to the engine's spawn (``before_engine_s``: Ray's worker, the replica's imports and
     server build) and from its engine ready to RUNNING (``after_engine_s``); their sum with
     ``engine_s`` is ``start_s``."""
-    started = [{k: v for k, v in layers.items() if k in LAYERS} | {"ready_unix_s": layers.get("ready_unix_s")}
-               for replica, layers in seen.items() if replica not in first]
-    out = []
-    for i, layers in enumerate(started):
-        ready_unix = layers.pop("ready_unix_s")
-        layers["engine_s"] = sum(layers.values())
-        if len(started) == len(spans):
-            asked, running, whole = spans[i]
-            layers |= {"start_s": running - asked} if whole else {}
-            if whole and ready_unix is not None and clock_unix_s is not None:
-                ready = ready_unix - clock_unix_s
-                layers |= {"before_engine_s": ready - layers["engine_s"] - asked, "after_engine_s": running - ready}
-        out.append({k: round(v, 3) for k, v in layers.items()})
-    return out
+    started = [layers for replica, layers in seen.items() if replica not in first]
+    paired = spans if len(spans) == len(started) else [None] * len(started)
+    return [_placed(layers, span, clock_unix_s) for layers, span in zip(started, paired)]
+
+
+def _placed(layers: dict[str, float], span: tuple[float, float, bool] | None, clock_unix_s: float | None) -> dict:
+    """One replica's layers and ``engine_s``, set in its start's ``span`` (``replica_layers``)."""
+    out = {k: v for k, v in layers.items() if k in LAYERS}
+    out["engine_s"] = sum(out.values())
+    if span is not None and span[2]:
+        asked, running, _ = span
+        out["start_s"] = running - asked
+        if layers.get("ready_unix_s") is not None and clock_unix_s is not None:
+            ready = layers["ready_unix_s"] - clock_unix_s
+            out |= {"before_engine_s": ready - out["engine_s"] - asked, "after_engine_s": running - ready}
+    return {k: round(v, 3) for k, v in out.items()}
