@@ -60,7 +60,8 @@
    timed before the cluster, ``fleetsim/start_contention.py``, ``start_contention`` in the JSON).
 
     .venv/bin/python benchmarks/fleet_sim_cluster.py [--phases 35:0.25,40:0.8,60:0.2] [--hardware PATH]
-        [--seed N] [--runs K] [--repeat-cluster] [--dtype float32] [--start-contention]
+        [--seed N] [--runs K] [--repeat-cluster] [--dtype float32] [--start-contention] [--record DIR]
+    .venv/bin/python benchmarks/fleet_sim_cluster.py --replay DIR/run0.pkl.gz [...]
 
 Prints one JSON object: TTFT p50 / p99 and the replica count (replica-seconds, the step functions,
 their mean absolute difference over the mean), measured and simulated, with the ratios
@@ -82,6 +83,9 @@ runs' requests together
 probe and trace again and is compared with the first as the simulator is (``cluster_repeat``:
 its figures and the ratios second / first; ``pooled_cluster_repeat`` over the runs): how well
 the cluster reproduces itself, a floor under any simulator's agreement with it.
+
+``--record DIR`` saves each run's cluster side as ``DIR/run<SEED>.pkl.gz`` (``cluster_recording.py``);
+``--replay`` simulates saved runs again without a cluster, the same JSON (``seeds``: their paths).
 """
 from __future__ import annotations
 
@@ -99,6 +103,7 @@ from dataclasses import replace
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.cluster_recording import Recording  # noqa: E402
 from benchmarks.cluster_run import measure_cluster  # noqa: E402
 
 KV_CACHE_GIB = 0.25
@@ -223,30 +228,52 @@ def case(hw_path: str, phases, shape, demand_window_s: float, downscale_window_s
 
 def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: float = 5.0,
           downscale_window_s: float = 20.0, seed: int = 0, repeat: bool = False,
-          dtype: str = "auto", shape=None, start_probe: bool = False) -> tuple[dict, object, object, object | None]:
+          dtype: str = "auto", shape=None, start_probe: bool = False,
+          record: str | None = None) -> tuple[dict, object, object, object | None]:
     """Run the cluster on the probe and the trace whose ``(seconds, load)`` phases ``load_rates``
     turns into rates, simulate both, compare (the module docstring): (the comparison, the
     measured log, the simulated log, the second cluster's log or None), the requests of
     ``shape`` (None: ``trace_shape`` on ``hw_path``), the engines' weights in ``dtype``. With
     ``repeat``, a second cluster plays the same probe and trace, compared with the first as the
-    simulator is (``cluster_repeat``); ``start_probe``: ``measure_cluster``'s, for a variant."""
+    simulator is (``cluster_repeat``); ``start_probe``: ``measure_cluster``'s, for a variant;
+    ``record``: a path where the run's ``Recording`` is saved (``cluster_recording.py``)."""
+    from kvserve.fleetsim.cluster_check import compare_cluster
+    from kvserve.fleetsim.replay import running_steps
+    shape = shape or trace_shape(hw_path)
+    *_, measure = case(hw_path, phases, shape, demand_window_s, downscale_window_s, seed, dtype, start_probe)
+    recording = Recording.of(hw_path, phases, shape, demand_window_s, downscale_window_s, seed, dtype, host_cores(),
+                             measure())
+    if record:
+        recording.save(record)
+    result, measured, simulated = simulate_recording(recording)
+    again = measure() if repeat else None
+    if again:
+        compared = compare_cluster(measured, running_steps(recording.run.changes), again.measured,
+                                   running_steps(again.changes), end_s=sum(seconds for seconds, _ in phases))
+        result["cluster_repeat"] = repeat_record(compared)
+    return result, measured, simulated, again.measured if again else None
+
+
+def simulate_recording(recording: "Recording") -> tuple[dict, object, object]:
+    """Simulate the probe and the trace of a cluster run (``Recording``: measured now by
+    ``check`` or saved earlier) and compare (the module docstring): (the comparison, the measured
+    log, the simulated log)."""
     from kvserve.fleetsim.cluster_check import compare_cluster, ray_decision_timing, windows_as_loads
     from kvserve.fleetsim.cluster_sim import ClusterSimulator
     from kvserve.fleetsim.cluster_reads import router_stats, starting_cores
     from kvserve.fleetsim.engine_clock import trace_clocks
     from kvserve.fleetsim.host_cpu import SharedHost
     from kvserve.fleetsim.replay import running_steps, start_durations, start_spans
-
-    shape = shape or trace_shape(hw_path)
-    args, settings, rates, trace, probe, measure = case(hw_path, phases, shape, demand_window_s, downscale_window_s,
-                                                        seed, dtype, start_probe)
-    run = measure()
-    estimated = ray_decision_timing(demand_window_s)
-    simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
-    plane, lead_in, starts = run.plane, (probe, run.probe_lead_s), start_durations(run.changes)
+    rec, run = recording, recording.run
+    with rec.hardware_file() as hw_path:
+        args, settings, rates, trace, probe, _ = case(hw_path, rec.phases, rec.shape, rec.demand_window_s,
+                                                      rec.downscale_window_s, rec.seed, rec.dtype, False)
+        estimated = ray_decision_timing(rec.demand_window_s)
+        simulate = ClusterSimulator(hw_path, args, settings, run.clock(estimated))
+    lead_in, starts = (probe, run.probe_lead_s), start_durations(run.changes)
     start_s, start_cores = sum(starts) / len(starts) if starts else 0.0, starting_cores(run.changes, run.snapshots)
     reach = probe_reach(run, probe)
-    host = functools.partial(SharedHost, host_cores(), args.threads, plane, contention=run.contention.factor,
+    host = functools.partial(SharedHost, rec.host_cores, args.threads, run.plane, contention=run.contention.factor,
                              drift=trace_drift(run), reach=reach or 0.0)
     fit, one_factor, unreached = (fit_probe(run, probe, simulate, host=lambda: host(0.0)),
                                   fit_probe(run, probe, simulate, host=lambda: host(0.0), per_sequence=False),
@@ -255,7 +282,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     on_fit = functools.partial(simulate_on_fit, simulate, trace, fit, start_s, router_stats=stats, lead_in=lead_in)
     simulated, sim_steps = on_fit(host(start_cores, record=(host_record := [])), windows=(sim_windows := []))
     compare = functools.partial(compare_cluster, run.measured, running_steps(run.changes),
-                                end_s=sum(seconds for seconds, _ in phases))
+                                end_s=sum(seconds for seconds, _ in rec.phases))
     result = compare(simulated, sim_steps)
     clocks = trace_clocks(run.clocks, host_record, run.measured, start_spans(run.changes), lead_in[1])
     variants = {name: compare(*sim) for name, sim in (
@@ -264,20 +291,25 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
                           clocks["cpu_per_step_measured_over_simulated"].get("1")),
         ("plane_reach_off", on_fit(host(start_cores, reach=0.0), fitted=unreached)),
         ("decode_one_factor", on_fit(host(start_cores), fitted=one_factor)))}
-    again = measure() if repeat else None
-    return {"load_phases": [list(p) for p in phases], "trace_shape": shape.as_dict(),
-            "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": len(trace),
-            **cluster_record(run, simulate.clock, starts, start_cores, stats),
+    return {**case_record(rec, rates, len(trace), settings, simulate),
+            **cluster_record(run, simulate.clock, starts, start_cores, stats, rec.host_cores),
             **window_record(run.windows_on_trace_clock(settings.capacity()),
                             windows_as_loads(sim_windows, settings.capacity()), settings.headroom_factor),
-            "capacity": settings.capacity_source, "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
-            "demand_window_s": demand_window_s, "downscale_window_s": downscale_window_s,
             "host_fit": fit.as_dict(), "decode_one_factor_fit": one_factor.as_dict(),
             "plane_reach_off_fit": unreached.as_dict(), **probe_record(run, probe, reach),
             "engine_clocks": clocks,
-            **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()},
-            **({"cluster_repeat": repeat_record(compare(again.measured, running_steps(again.changes)))} if again else {})}, \
-        run.measured, simulated, again.measured if again else None
+            **result, **{name: {"simulated": v["simulated"], "ratio": v["ratio"]} for name, v in variants.items()}}, \
+        run.measured, simulated
+
+
+def case_record(recording, rates, requests: int, settings, simulate) -> dict:
+    """The check's case for the JSON: the phases, the requests' shape and rates, the planned
+    capacity, the profile's error and the autoscaler's windows."""
+    return {"load_phases": [list(p) for p in recording.phases], "trace_shape": recording.shape.as_dict(),
+            "rate_phases": [[seconds, round(rate, 3)] for seconds, rate in rates], "requests": requests,
+            "capacity": settings.capacity_source,
+            "profile_rms_error": dict(simulate.hw.calibration).get("rms_relative_error"),
+            "demand_window_s": recording.demand_window_s, "downscale_window_s": recording.downscale_window_s}
 
 
 def trace_drift(run):
@@ -333,18 +365,19 @@ def one_part_changed(on_fit, host, start_cores: float, run, clock, estimated,
             ("probe_not_played", on_fit(host(start_cores), lead_in=None))]
 
 
-def cluster_record(run, clock, starts: list[float], start_cores: float, stats: tuple[float, float]) -> dict:
+def cluster_record(run, clock, starts: list[float], start_cores: float, stats: tuple[float, float],
+                   cores: int) -> dict:
     """What the check measured around the trace, for the JSON: the replicas' starts and the cores
     they took, the decision clock and the router's stats' age, the host (cores, plane,
-    contention, drift), the probe's lead and who served the trace."""
+    contention, drift; ``cores``, the cores it ran on), the probe's lead and who served the trace."""
     return {"replica_start_s": round(sum(starts) / len(starts), 2) if starts else 0.0,
             "replica_starts_measured_s": [round(s, 2) for s in starts], "start_cpu_cores": round(start_cores, 3),
             "replica_start_layers": run.replica_start_layers(), "decision_sample_age_s": run.sample_age_s,
             "decision_clock": {k: None if v is None else round(v, 3) for k, v in vars(clock).items()},
             "router_stats": {"period_s": stats[0], "mean_age_s": round(run.stats_age_s, 4),
                              "delay_s": round(stats[1], 4)},
-            "plane_fit": run.plane.as_dict(), "host_cores": host_cores(), "memory_contention": run.contention.as_dict(),
-            **({"start_contention": run.start_contention.as_dict(host_cores(), run.threads)}
+            "plane_fit": run.plane.as_dict(), "host_cores": cores, "memory_contention": run.contention.as_dict(),
+            **({"start_contention": run.start_contention.as_dict(cores, run.threads)}
                if run.start_contention else {}),
             "probe_lead_s": round(run.probe_lead_s, 2), "host_drift": run.drift.summary(),
             "quiet_drift": (quiet := run.quiet_drift) and {"factor": round(quiet[0], 3), "readings": quiet[1]},
@@ -432,23 +465,33 @@ def main() -> None:
     parser.add_argument("--start-contention", action="store_true",
                         help="time an engine beside a replica start before each cluster (start_contention.py) "
                              "and simulate the trace with it too (start_contention_measured)")
+    parser.add_argument("--record", metavar="DIR", help="save each run's cluster side here (run<SEED>.pkl.gz)")
+    parser.add_argument("--replay", nargs="+", metavar="RECORDING", help="simulate --record's runs again, no cluster")
     args = parser.parse_args()
-    runs = [check(args.hardware or profile(dtype=args.dtype), args.phases, seed=args.seed + k,
-                  repeat=args.repeat_cluster, dtype=args.dtype, start_probe=args.start_contention)
-            for k in range(args.runs)]
+    if args.replay and (args.repeat_cluster or args.record):
+        parser.error("--replay plays saved runs: it neither records nor repeats a cluster")
+    if args.record:
+        os.makedirs(args.record, exist_ok=True)
+    if args.replay:
+        runs = [(*simulate_recording(Recording.load(path)), None) for path in args.replay]
+    else:
+        runs = [check(args.hardware or profile(dtype=args.dtype), args.phases, seed=args.seed + k,
+                      repeat=args.repeat_cluster, dtype=args.dtype, start_probe=args.start_contention,
+                      record=args.record and os.path.join(args.record, f"run{args.seed + k}.pkl.gz"))
+                for k in range(args.runs)]
     if args.dump:
         with open(args.dump, "wb") as f:
             pickle.dump([{"measured": m.arrays(), "simulated": s.arrays(), "result": r,
                           "measured_again": a.arrays() if a else None} for r, m, s, a in runs], f)
-    if args.runs == 1:
+    if len(runs) == 1:
         print(json.dumps(runs[0][0], indent=1))
         return
     from kvserve.fleetsim.cluster_check import pooled_latency
     pooled = {"pooled": pooled_latency([m for _, m, _, _ in runs], [s for _, _, s, _ in runs])}
     if args.repeat_cluster:                  # the second clusters in the simulator's place: second / first
         pooled["pooled_cluster_repeat"] = pooled_latency([m for _, m, _, _ in runs], [a for *_, a in runs])
-    print(json.dumps({"runs": [r for r, *_ in runs], "seeds": [args.seed + k for k in range(args.runs)], **pooled},
-                     indent=1))
+    seeds = args.replay or [args.seed + k for k in range(args.runs)]     # replayed: the recordings' paths
+    print(json.dumps({"runs": [r for r, *_ in runs], "seeds": seeds, **pooled}, indent=1))
 
 
 if __name__ == "__main__":

@@ -92,7 +92,10 @@ simulator read the same windows: a window that read 0.669 of a replica in the cl
 windows later (mean abs. diff 0.21).
 Each missed attempt is a warning naming the bands it missed (in the warnings summary, passed or
 failed), and every attempt's JSON is kept in the test's ``tmp_path`` (``attempt<N>.json``, with
-the profile it ran on), so a CI run that needed its retries says why.
+the profile it ran on and the recording of its cluster side, ``attempt<N>.run.pkl.gz``, which
+``benchmarks/fleet_sim_cluster.py --replay`` simulates again), so a CI run that needed its retries
+says why. The last attempt's recording, replayed, gives its JSON again: the recording holds all
+the simulation reads, and the simulator is deterministic on it.
 """
 from __future__ import annotations
 
@@ -101,7 +104,8 @@ import warnings
 
 import pytest
 
-from benchmarks.fleet_sim_cluster import check, profile, trace_requests, trace_shape
+from benchmarks.cluster_recording import Recording
+from benchmarks.fleet_sim_cluster import check, profile, simulate_recording, trace_requests, trace_shape
 
 pytestmark = [pytest.mark.cluster, pytest.mark.model]
 
@@ -140,13 +144,17 @@ def test_the_simulator_follows_the_cluster_on_the_same_trace(tmp_path):
                         f"{sum(s for s, _ in PHASES):.0f} s trace would hold {requests:.0f} requests (at least "
                         f"{MIN_TRACE_REQUESTS}): its probe alone would scale the cluster up, its p99 would be one "
                         "request (docs/fleet_simulator.md)")
-        result, *_ = check(hardware, PHASES, shape=shape)
+        recording = tmp_path / f"attempt{attempt}.run.pkl.gz"     # the cluster side, for --replay
+        result, *_ = check(hardware, PHASES, shape=shape, record=str(recording))
         (tmp_path / f"attempt{attempt}.json").write_text(json.dumps(result, indent=1, default=str))  # kept by pytest
         if not (misses := _misses(result)):
             break
         earlier.append({"misses": misses, **{k: result[k] for k in ("ratio", "replica_start_s", "host_fit")}})
         warnings.warn(f"attempt {attempt} missed: {'; '.join(misses)}; ratios {result['ratio']}, replica start "
                       f"{result['replica_start_s']:.1f} s")     # in the warnings summary, passed or failed
+    # the recording holds all the simulation reads: replayed, it gives the attempt's figures again
+    replayed, *_ = simulate_recording(Recording.load(str(recording)))
+    assert json.dumps(replayed, sort_keys=True, default=str) == json.dumps(result, sort_keys=True, default=str)
     result["earlier_attempts"] = earlier
     assert result["measured"]["not_served"] == 0 and result["simulated"]["not_served"] == 0
     # the step up made both add a replica, and both went back to one
