@@ -74,12 +74,8 @@ class Recording:
     def hardware_file(self):
         """The hardware entry written to a temporary file, its path (the simulator and the
         planner read a path), removed afterwards."""
-        folder = tempfile.mkdtemp(prefix="kvserve-recording-")
-        path = os.path.join(folder, "hardware.json")
-        try:
+        with tempfile.TemporaryDirectory(prefix="kvserve-recording-") as folder:
+            path = os.path.join(folder, "hardware.json")
             with open(path, "w") as f:
                 f.write(self.hardware)
             yield path
-        finally:
-            os.remove(path)
-            os.rmdir(folder)

@@ -254,7 +254,7 @@ def check(hw_path: str, phases: list[tuple[float, float]], demand_window_s: floa
     return result, measured, simulated, again.measured if again else None
 
 
-def simulate_recording(recording: "Recording") -> tuple[dict, object, object]:
+def simulate_recording(recording: Recording) -> tuple[dict, object, object]:
     """Simulate the probe and the trace of a cluster run (``Recording``: measured now by
     ``check`` or saved earlier) and compare (the module docstring): (the comparison, the measured
     log, the simulated log)."""
